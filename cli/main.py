@@ -1,0 +1,37 @@
+"""Entry point of the ``kvproof`` console script."""
+
+from __future__ import annotations
+
+import sys
+
+from kvproof import __version__
+from kvproof.cli import geometry
+from kvproof.cli.errors import EXIT_BAD_INPUT, OneLineArgumentParser
+
+#: Subcommand modules; each has ``add_parser(subparsers)`` and sets ``run`` as a default.
+COMMANDS = (geometry,)
+
+
+def build_parser() -> OneLineArgumentParser:
+    parser = OneLineArgumentParser(
+        prog="kvproof",
+        description="A formally specified KV-cache block manager for hybrid models under DCP.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvproof {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineArgumentParser)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

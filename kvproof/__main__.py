@@ -1,0 +1,5 @@
+import sys
+
+from kvproof.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,264 @@
+"""Cache geometry under decode context parallelism (DCP): block sizes, hash granularity,
+the partial-hash-hit rule and block-table widths.
+
+Sizes have distinct names everywhere (docs/geometry.md):
+- ``block_size``           physical tokens per block on one rank (the group's own);
+- ``effective_block_size`` global tokens one block id covers: ``block_size * dcp`` when the
+                           group is DCP-sharded, else ``block_size`` (B_g);
+- ``scheduler_block_size`` lcm of all B_g (S);
+- ``hash_block_size``      granularity of the chained request hashes (H); divides every
+                           prefix-cacheable B_g;
+- ``cache_hit_alignment``  granularity at which prefix-cache hits land (A = H or S).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import icontract
+
+from kvproof.spec.arith import cdiv, gcd_all, lcm_all
+from kvproof.spec.groups import CacheGroup, GroupKind, MambaCacheMode
+
+#: Bytes of one block-table entry (int32 block ids).
+TABLE_ENTRY_BYTES = 4
+
+
+def _check_dcp(dcp: int) -> None:
+    if isinstance(dcp, bool) or not isinstance(dcp, int) or dcp < 1:
+        raise ValueError(f"dcp {dcp!r} must be an integer >= 1")
+
+
+# --------------------------------------------------------------------------------------------
+# Block sizes
+# --------------------------------------------------------------------------------------------
+
+
+@icontract.require(lambda dcp: dcp >= 1, error=lambda dcp: ValueError(f"dcp {dcp} must be >= 1"))
+@icontract.ensure(
+    lambda group, dcp, result: result == group.block_size * (dcp if group.is_sharded else 1),
+    "INV-GEOM-EFFECTIVE-BLOCK: B_g = block_size * dcp for sharded groups, block_size otherwise",
+)
+@icontract.ensure(
+    lambda group, result: group.kind is not GroupKind.MAMBA or result == group.block_size,
+    "INV-GEOM-MAMBA-REPLICATED: a Mamba block covers block_size tokens whatever the DCP size",
+)
+def effective_block_size(group: CacheGroup, dcp: int) -> int:
+    """Global token positions covered by one block id of ``group`` (B_g)."""
+    return group.block_size * dcp if group.is_sharded else group.block_size
+
+
+@icontract.require(lambda groups: len(groups) > 0, error=lambda groups: ValueError("at least one cache group is required"))
+@icontract.ensure(
+    lambda groups, dcp, result: all(result % effective_block_size(g, dcp) == 0 for g in groups),
+    "INV-GEOM-SCHED-LCM: every group's effective block size divides the scheduler block size",
+)
+def scheduler_block_size(groups: tuple[CacheGroup, ...], dcp: int) -> int:
+    """S: the least token count that is a whole number of blocks in every group."""
+    return lcm_all(tuple(effective_block_size(g, dcp) for g in groups))
+
+
+def _cacheable_sizes(groups: tuple[CacheGroup, ...], dcp: int) -> tuple[int, ...]:
+    return tuple(effective_block_size(g, dcp) for g in groups if g.prefix_cacheable)
+
+
+def _hash_divides_cacheable(groups: tuple[CacheGroup, ...], dcp: int, result: int) -> bool:
+    sizes = _cacheable_sizes(groups, dcp)
+    return all(b % result == 0 for b in sizes) and scheduler_block_size(groups, dcp) % result == 0
+
+
+@icontract.require(lambda groups: len(groups) > 0, error=lambda groups: ValueError("at least one cache group is required"))
+@icontract.ensure(
+    lambda groups, dcp, result: _hash_divides_cacheable(groups, dcp, result),
+    "INV-GEOM-HASH-DIVIDES: H divides every prefix-cacheable effective block size and S",
+)
+def hash_block_size(groups: tuple[CacheGroup, ...], dcp: int, explicit: int | None = None) -> int:
+    """H: the granularity of the chained request hashes.
+
+    - One group, no prefix-cacheable group, or a Mamba group in mode ``none``: H = S (hits
+      can only be whole scheduler blocks, so a finer hash buys nothing).
+    - Otherwise ``explicit`` if given (it must divide every prefix-cacheable B_g), else the
+      gcd of the prefix-cacheable B_g.
+
+    Raises ValueError naming ``explicit`` and the group it does not fit.
+    """
+    s = scheduler_block_size(groups, dcp)
+    coarse_reason = None
+    if len(groups) == 1:
+        coarse_reason = "a single cache group hashes at its own block size"
+    elif not _cacheable_sizes(groups, dcp):
+        coarse_reason = "no group is prefix-cacheable"
+    elif any(g.kind is GroupKind.MAMBA and g.mamba_cache_mode is MambaCacheMode.NONE for g in groups):
+        coarse_reason = "a Mamba group in cache mode 'none' keeps no reusable states"
+    if coarse_reason is not None:
+        if explicit is not None and explicit != s:
+            raise ValueError(
+                f"hash_block_size {explicit} must equal the scheduler block size {s}: {coarse_reason}"
+            )
+        return s
+    if explicit is None:
+        return gcd_all(_cacheable_sizes(groups, dcp))
+    if isinstance(explicit, bool) or not isinstance(explicit, int) or explicit <= 0:
+        raise ValueError(f"hash_block_size {explicit!r} must be a positive integer")
+    for i, g in enumerate(groups):
+        b = effective_block_size(g, dcp)
+        if g.prefix_cacheable and b % explicit != 0:
+            raise ValueError(
+                f"hash_block_size {explicit} does not divide effective block size {b} "
+                f"of group {i} ({g.label}, dcp {dcp}); expected a divisor of {b}"
+            )
+    return explicit
+
+
+# --------------------------------------------------------------------------------------------
+# Partial hash hits
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialHitDecision:
+    """Whether prefix hits may end inside a group block (at a hash boundary), and why.
+
+    ``warning`` is set when partial hits were possible by the Mamba rule but a group that
+    cannot do fine-grained lookup forced the fallback to block-aligned (S) hits.
+    """
+
+    enabled: bool
+    reason: str
+    warning: str | None = None
+
+
+def mamba_allows_partial_hits(group: CacheGroup, dcp: int, hash_size: int) -> bool:
+    """The Mamba half of the rule: hash boundaries must fall strictly inside (TP) or on the
+    grid of (DCP) an align-mode Mamba block.
+
+    Without DCP the Mamba block must be strictly larger than H, else every hash boundary is a
+    Mamba block boundary and partial hits add nothing. With DCP the sharded attention block
+    is ``block_size * dcp > H``, so ``>=`` suffices.
+    """
+    if group.kind is not GroupKind.MAMBA or group.mamba_cache_mode is not MambaCacheMode.ALIGN:
+        return False
+    return group.block_size > hash_size if dcp == 1 else group.block_size >= hash_size
+
+
+def _partial_rule_holds(groups, dcp, hash_size, allow, result) -> bool:
+    if not result.enabled:
+        return True
+    coarse = [
+        g for g in groups
+        if g.prefix_cacheable
+        and not g.kind.supports_fine_grained_lookup
+        and effective_block_size(g, dcp) != hash_size
+    ]
+    return allow and not coarse and any(mamba_allows_partial_hits(g, dcp, hash_size) for g in groups)
+
+
+@icontract.ensure(
+    lambda groups, dcp, hash_size, allow, result: _partial_rule_holds(groups, dcp, hash_size, allow, result),
+    "INV-GEOM-PARTIAL-RULE: partial hits only with an align Mamba block > H (TP) or >= H (DCP) "
+    "and no coarse-lookup group whose effective block differs from H",
+)
+@icontract.ensure(
+    lambda groups, dcp, hash_size, result: not result.enabled
+    or all(effective_block_size(g, dcp) % hash_size == 0 for g in groups if g.prefix_cacheable),
+    "INV-GEOM-PARTIAL-GRID: with partial hits on, every hash boundary inside a block lies on "
+    "the hash grid of every prefix-cacheable group (H divides each B_g)",
+)
+def partial_hash_hits(
+    groups: tuple[CacheGroup, ...], dcp: int, hash_size: int, allow: bool = True
+) -> PartialHitDecision:
+    """Decide whether prefix-cache hits may land at hash (H) granularity."""
+    if not allow:
+        return PartialHitDecision(False, "partial hash hits turned off by the caller")
+    if not any(mamba_allows_partial_hits(g, dcp, hash_size) for g in groups):
+        cmp = ">" if dcp == 1 else ">="
+        return PartialHitDecision(
+            False, f"no align-mode Mamba group with block size {cmp} hash block size {hash_size}"
+        )
+    coarse = [
+        (i, g) for i, g in enumerate(groups)
+        if g.prefix_cacheable
+        and not g.kind.supports_fine_grained_lookup
+        and effective_block_size(g, dcp) != hash_size
+    ]
+    if coarse:
+        names = ", ".join(f"group {i} ({g.label}, effective block {effective_block_size(g, dcp)})" for i, g in coarse)
+        warning = (
+            f"falling back to block-aligned prefix-cache hits: {names} cannot look up hits finer "
+            f"than its block and its effective block size differs from the hash block size {hash_size}"
+        )
+        return PartialHitDecision(False, warning, warning)
+    return PartialHitDecision(True, f"hits land on multiples of the hash block size {hash_size}")
+
+
+@icontract.ensure(
+    lambda scheduler_size, hash_size, result: scheduler_size % result == 0 and result % hash_size == 0,
+    "INV-GEOM-HIT-ALIGN: H divides the cache-hit alignment A, and A divides S",
+)
+def cache_hit_alignment(scheduler_size: int, hash_size: int, partial: bool) -> int:
+    """A: hits land on multiples of H with partial hits, else on whole scheduler blocks."""
+    return hash_size if partial else scheduler_size
+
+
+# --------------------------------------------------------------------------------------------
+# Block-table widths
+# --------------------------------------------------------------------------------------------
+
+
+def table_entries_needed(group: CacheGroup, dcp: int, num_tokens: int) -> int:
+    """The most block-table entries a request of ``num_tokens`` tokens can occupy in ``group``.
+
+    This states *demand* from first principles, independently of how widths are sized:
+    a sharded group indexes its table by virtual block ``pos // (block_size * dcp)``; a
+    replicated align-mode Mamba group indexes by ``pos // block_size`` on every rank and may
+    append ``num_speculative_blocks`` more; Mamba ``none`` keeps one state (plus speculative).
+    """
+    if group.kind is GroupKind.MAMBA:
+        if group.mamba_cache_mode is MambaCacheMode.NONE:
+            return 1 + group.num_speculative_blocks
+        return cdiv(num_tokens, group.block_size) + group.num_speculative_blocks
+    return cdiv(num_tokens, effective_block_size(group, dcp))
+
+
+#: INV-TABLE-WIDTH as a reusable contract, so that a deliberately wrong width formula can be
+#: shown to be rejected by it (tests/spec/test_geometry_contracts.py).
+ensure_table_width = icontract.ensure(
+    lambda group, dcp, max_len, result: result >= table_entries_needed(group, dcp, max_len),
+    "INV-TABLE-WIDTH: the row holds every entry a request of max_len tokens can use "
+    "(replicated Mamba: ceil(max_len / block_size) + speculative, never divided by DCP)",
+)
+
+
+@icontract.require(lambda max_len: max_len > 0, error=lambda max_len: ValueError(f"max_model_len {max_len} must be > 0"))
+@icontract.require(lambda dcp: dcp >= 1, error=lambda dcp: ValueError(f"dcp {dcp} must be >= 1"))
+@ensure_table_width
+def max_num_blocks_per_req(group: CacheGroup, dcp: int, max_len: int) -> int:
+    """Row length of the worker block table for ``group``.
+
+    Sharded attention: ``cdiv(max_len, block_size * dcp)``. Mamba align:
+    ``cdiv(max_len, block_size) + num_speculative_blocks`` -- replicated state is indexed by
+    global position on every rank, so DCP never divides it. Mamba none: ``1 + speculative``.
+    """
+    if group.kind is GroupKind.MAMBA:
+        if group.mamba_cache_mode is MambaCacheMode.NONE:
+            return 1 + group.num_speculative_blocks
+        return cdiv(max_len, group.block_size) + group.num_speculative_blocks
+    return cdiv(max_len, effective_block_size(group, dcp))
+
+
+@icontract.require(lambda num_blocks: num_blocks >= 0)
+@icontract.require(lambda block_size: block_size > 0)
+@icontract.ensure(
+    lambda num_blocks, block_size, token_alignment, result: num_blocks <= result
+    and (token_alignment is None or result < num_blocks + token_alignment // math.gcd(token_alignment, block_size)),
+    "INV-TABLE-PAD: the padded width is the least multiple of the entry alignment >= num_blocks",
+)
+def block_table_width(num_blocks: int, block_size: int, token_alignment: int | None) -> int:
+    """Pad a row length so that ``width * block_size`` is a multiple of ``token_alignment``
+    tokens where possible: entries are padded to ``token_alignment / gcd(token_alignment,
+    block_size)``. Mamba tables are not padded (``token_alignment`` None)."""
+    if token_alignment is None:
+        return num_blocks
+    step = token_alignment // math.gcd(token_alignment, block_size)
+    return cdiv(num_blocks, step) * step
