@@ -33,3 +33,20 @@ def check(condition: bool, inv_id: str, detail: str) -> None:
     """
     if not condition:
         raise InvariantViolation(inv_id, detail)
+
+
+def guard_like(real, body):
+    """``body`` guarded by exactly the icontract pre- and postconditions of ``real``.
+
+    Used by tests and proof canaries to show that a contract has teeth: a deliberately wrong
+    formula with the same signature, guarded like the real one, must be rejected.
+    """
+    import icontract  # local: keeps this module import-light for the CLI
+
+    guarded = body
+    for contract in reversed(getattr(real, "__postconditions__", [])):
+        guarded = icontract.ensure(contract.condition, contract.description)(guarded)
+    for group in getattr(real, "__preconditions__", []):
+        for contract in reversed(group):
+            guarded = icontract.require(contract.condition, contract.description, error=contract.error)(guarded)
+    return guarded

@@ -76,10 +76,14 @@ def _hash_divides_cacheable(groups: tuple[CacheGroup, ...], dcp: int, result: in
 def hash_block_size(groups: tuple[CacheGroup, ...], dcp: int, explicit: int | None = None) -> int:
     """H: the granularity of the chained request hashes.
 
-    - One group, no prefix-cacheable group, or a Mamba group in mode ``none``: H = S (hits
-      can only be whole scheduler blocks, so a finer hash buys nothing).
+    - One group, or no prefix-cacheable group: H = S (a finer hash buys nothing).
     - Otherwise ``explicit`` if given (it must divide every prefix-cacheable B_g), else the
       gcd of the prefix-cacheable B_g.
+
+    Deviation from vLLM 0.33, which sets H = S whenever a Mamba group is in mode ``none``:
+    with a smaller prefix-cacheable attention block that H would not divide the attention
+    block, breaking the one-key rule (a full-block key at every block end). Such a hybrid
+    can never hit anyway -- no reusable state exists -- so kvproof keeps H = gcd.
 
     Raises ValueError naming ``explicit`` and the group it does not fit.
     """
@@ -89,8 +93,6 @@ def hash_block_size(groups: tuple[CacheGroup, ...], dcp: int, explicit: int | No
         coarse_reason = "a single cache group hashes at its own block size"
     elif not _cacheable_sizes(groups, dcp):
         coarse_reason = "no group is prefix-cacheable"
-    elif any(g.kind is GroupKind.MAMBA and g.mamba_cache_mode is MambaCacheMode.NONE for g in groups):
-        coarse_reason = "a Mamba group in cache mode 'none' keeps no reusable states"
     if coarse_reason is not None:
         if explicit is not None and explicit != s:
             raise ValueError(
@@ -221,18 +223,17 @@ def table_entries_needed(group: CacheGroup, dcp: int, num_tokens: int) -> int:
     return cdiv(num_tokens, effective_block_size(group, dcp))
 
 
-#: INV-TABLE-WIDTH as a reusable contract, so that a deliberately wrong width formula can be
-#: shown to be rejected by it (tests/spec/test_geometry_contracts.py).
-ensure_table_width = icontract.ensure(
-    lambda group, dcp, max_len, result: result >= table_entries_needed(group, dcp, max_len),
-    "INV-TABLE-WIDTH: the row holds every entry a request of max_len tokens can use "
-    "(replicated Mamba: ceil(max_len / block_size) + speculative, never divided by DCP)",
-)
+def _width_covers_demand(group: CacheGroup, dcp: int, max_len: int, result: int) -> bool:
+    return result >= table_entries_needed(group, dcp, max_len)
 
 
 @icontract.require(lambda max_len: max_len > 0, error=lambda max_len: ValueError(f"max_model_len {max_len} must be > 0"))
 @icontract.require(lambda dcp: dcp >= 1, error=lambda dcp: ValueError(f"dcp {dcp} must be >= 1"))
-@ensure_table_width
+@icontract.ensure(
+    _width_covers_demand,
+    "INV-TABLE-WIDTH: the row holds every entry a request of max_len tokens can use "
+    "(replicated Mamba: ceil(max_len / block_size) + speculative, never divided by DCP)",
+)
 def max_num_blocks_per_req(group: CacheGroup, dcp: int, max_len: int) -> int:
     """Row length of the worker block table for ``group``.
 

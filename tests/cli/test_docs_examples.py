@@ -1,0 +1,29 @@
+"""Every ``console`` example in docs/*.md and README.md is a command whose output matches."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import shlex
+
+import pytest
+
+from kvproof.cli.main import main
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BLOCK = re.compile(r"```console\n(.*?)```", re.S)
+
+
+def _examples():
+    for path in sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")]):
+        for block in BLOCK.findall(path.read_text()):
+            command, _, expected = block.partition("\n")
+            assert command.startswith("$ kvproof "), f"{path.name}: console block must start with '$ kvproof'"
+            yield pytest.param(command[2:], expected, id=f"{path.name}:{command[10:60]}")
+
+
+@pytest.mark.parametrize("command, expected", list(_examples()))
+def test_doc_example_output(capsys, command, expected):
+    argv = shlex.split(command)[1:]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == expected
