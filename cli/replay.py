@@ -1,0 +1,91 @@
+"""``kvproof replay``: a request trace through the contract-checked scheduler and KV-cache
+manager, with the content oracle watching every step."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvproof.cli.errors import EXIT_OK, EXIT_PROPERTY_FAILED, fail_bad_input
+from kvproof.cli.geometry import format_table
+from kvproof.cli.layout_args import add_layout_arguments, layout_config_from_args
+
+HELP = "replay a JSON Lines request trace through the contract-checked scheduler and KV-cache manager"
+PROG = "kvproof replay"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("replay", help=HELP, description=HELP)
+    p.add_argument("trace", metavar="TRACE.jsonl", help="one request per line: {id, prompt, output, arrival, cache_salt}")
+    add_layout_arguments(p)
+    p.add_argument("--num-blocks", type=int, default=4096, help="blocks in the pool, the null block included (default 4096)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (default 2048)")
+    p.add_argument("--eagle", action="store_true", help="EAGLE/MTP: hits drop one hash unit for the draft")
+    p.add_argument("--no-partial-hash-hits", action="store_true", help="hits only on whole scheduler blocks")
+    p.add_argument("--no-oracle", action="store_true", help="skip the content oracle (faster; structural checks stay on)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvproof.impl.replay import replay
+    from kvproof.impl.scheduler import CapacityError
+    from kvproof.impl.trace import TraceError, parse_trace
+    from kvproof.spec.layout import resolve_layout
+
+    try:
+        layout = resolve_layout(layout_config_from_args(args, allow_partial_hash_hits=not args.no_partial_hash_hits))
+        if args.num_blocks < 2:
+            raise ValueError(f"num_blocks {args.num_blocks} must be >= 2 (block 0 is the null block)")
+        if args.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens {args.max_num_batched_tokens} must be >= 1")
+        try:
+            with open(args.trace, encoding="utf-8") as f:
+                trace = parse_trace(f)
+        except OSError as e:
+            raise ValueError(f"cannot read trace {args.trace!r}: {e.strerror}") from None
+        except TraceError as e:
+            raise ValueError(f"{args.trace}: {e}") from None
+        result = replay(
+            trace, layout, args.num_blocks, args.max_num_batched_tokens,
+            use_eagle=args.eagle, oracle=not args.no_oracle,
+        )
+    except (ValueError, CapacityError) as e:
+        return fail_bad_input(PROG, str(e))
+    data = {
+        "requests": [
+            {"id": r.request_id, "num_prompt_tokens": r.num_prompt_tokens, "num_cached_tokens": r.num_cached_tokens or 0}
+            for r in result.requests
+        ],
+        "totals": {
+            "hit_rate": round(result.hit_rate, 6),
+            "cow_copies": result.cow_copies,
+            "evictions": result.evictions,
+            "preemptions": result.preemptions,
+            "steps": result.steps,
+        },
+        "violations": result.violations,
+    }
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        rows = [["request", "prompt tokens", "cached tokens"]] + [
+            [r["id"], f"{r['num_prompt_tokens']:,}", f"{r['num_cached_tokens']:,}"] for r in data["requests"]
+        ]
+        print(format_table(rows, right_align_from=1))
+        t = data["totals"]
+        print(
+            f"\nhit rate {t['hit_rate']:.1%}, {t['cow_copies']} copy-on-write copies, {t['evictions']} evictions, "
+            f"{t['preemptions']} preemptions, {t['steps']} steps"
+        )
+        if result.violations:
+            print(f"\n{len(result.violations)} violation(s):")
+            for v in result.violations:
+                print(f"  {v}")
+        else:
+            print("no violations")
+    if result.violations:
+        print(f"{PROG}: {len(result.violations)} invariant violation(s)", file=sys.stderr)
+        return EXIT_PROPERTY_FAILED
+    return EXIT_OK

@@ -1,0 +1,173 @@
+"""The KV-cache manager: the verbs a scheduler uses, over the hybrid coordinator.
+
+Step protocol (docs/coordinator.md)::
+
+    begin_step()                      # drops references kept for the previous step's copies
+    lookup(req) -> Hit                # on arrival; no state change
+    allocate_slots(req, n, hit)       # atomic: blocks for n more tokens, or None and no change
+    take_block_copies()               # the step's copies, run on every rank before the forward
+    ... forward pass ...
+    cache(req)                        # key what the step computed
+    free(req)                         # finished or preempted
+
+Keys are added only after the forward pass has written the blocks (``cache``), so every key a
+lookup can see names contents that exist when the step begins; copies therefore never read a
+block this step writes, and never chain (INV-COW-SOURCE-READY, checked per copy).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from kvproof.impl.block_pool import BlockPool
+from kvproof.impl.coordinator import Hit, HybridCoordinator
+from kvproof.impl.managers import MambaManager
+from kvproof.impl.request import Request
+from kvproof.spec import contracts
+from kvproof.spec.contracts import InvariantViolation
+from kvproof.spec.layout import Layout
+
+
+class KVCacheManager:
+    def __init__(self, layout: Layout, num_blocks: int, use_eagle: bool = False) -> None:
+        self.layout = layout
+        self.pool = BlockPool(num_blocks)
+        self.coordinator = HybridCoordinator(layout, self.pool, use_eagle=use_eagle)
+        self.managers = self.coordinator.managers
+        self._step = 0
+        self._in_flight: set[str] = set()  # allocated this step, not yet cached
+        self.num_copies = 0
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    # --- queries --------------------------------------------------------------------------------
+
+    def lookup(self, request: Request) -> Hit:
+        """The prefix-cache hit for a waiting request: at most ``num_tokens - 1`` tokens (one
+        must be computed to sample), at most the hashed length, a multiple of the cache-hit
+        alignment (INV-HIT-BOUND). No state change."""
+        hit = self.coordinator.find_longest_hit(request, request.num_tokens - 1)
+        n = hit.num_tokens
+        if n % self.coordinator.alignment or n > request.num_tokens - 1 or n > request.hashed_len:
+            raise InvariantViolation(
+                "INV-HIT-BOUND",
+                f"request {request.request_id!r}: hit {n} must be a multiple of {self.coordinator.alignment} "
+                f"and <= min(num_tokens - 1, hashed) = {min(request.num_tokens - 1, request.hashed_len)}",
+            )
+        return hit
+
+    def block_table(self, request: Request) -> tuple[list[int], ...]:
+        """The request's current block list per group (copies; for tests and the oracle)."""
+        return tuple(list(m.tables.get(request.request_id, ())) for m in self.managers)
+
+    def is_running(self, request: Request) -> bool:
+        return request.request_id in self.managers[0].tables
+
+    # --- verbs ----------------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Mutates. Start a scheduler step: the previous step's copies have run, so the
+        references that kept their sources alive are dropped."""
+        if self._in_flight:
+            raise InvariantViolation(
+                "INV-STEP-PROTOCOL", f"begin_step while requests {sorted(self._in_flight)} were allocated but not cached"
+            )
+        ledger = self.coordinator.ledger
+        if ledger.retained:
+            self.pool.free(ledger.retained)
+        if ledger.copies:
+            raise InvariantViolation("INV-STEP-PROTOCOL", f"{len(ledger.copies)} block copies were never taken")
+        ledger.__init__()
+        self._step += 1
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: Optional[Hit] = None) -> Optional[tuple[list[int], ...]]:
+        """Mutates unless it returns None. Blocks for ``num_new_tokens`` more tokens after the
+        computed ones (after ``hit`` for a waiting request, which must come from ``lookup`` in
+        this step). Returns, per group, the block ids to append to the worker's row (the whole
+        row for a new request), or None when the pool is short; then nothing changed."""
+        if num_new_tokens <= 0:
+            raise ValueError(f"request {request.request_id!r}: num_new_tokens {num_new_tokens} must be > 0")
+        running = self.is_running(request)
+        if running:
+            if hit is not None and hit.num_tokens:
+                raise ValueError(f"request {request.request_id!r} is running; a running request takes no hit")
+            hit = Hit(0, tuple([] for _ in self.managers))
+            start = request.num_computed_tokens
+        else:
+            hit = hit if hit is not None else Hit(0, tuple([] for _ in self.managers))
+            start = hit.num_tokens
+        total = start + num_new_tokens
+        if total > request.num_tokens:
+            raise ValueError(
+                f"request {request.request_id!r}: {start} + {num_new_tokens} tokens exceed the {request.num_tokens} known tokens"
+            )
+        if total > self.layout.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: {total} tokens exceed max_model_len {self.layout.config.max_model_len}"
+            )
+        free_before = self.pool.num_free
+        result = self.coordinator.allocate(request, total, hit)
+        if result is None:
+            if self.pool.num_free != free_before:
+                raise InvariantViolation("INV-ALLOC-ATOMIC", f"request {request.request_id!r}: a failed allocation changed the pool")
+            return None
+        if not running:
+            request.num_computed_tokens = hit.num_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = hit.num_tokens
+        self._in_flight.add(request.request_id)
+        return result
+
+    def take_block_copies(self) -> list[tuple[int, int, int]]:
+        """Mutates. The step's copies ``(group_id, src, dst)`` in order; run them on every rank
+        before the forward pass (each rank copies its own shard or replica)."""
+        ledger = self.coordinator.ledger
+        copies, ledger.copies = ledger.copies, []
+        self.num_copies += len(copies)
+        return copies
+
+    def cache(self, request: Request) -> None:
+        """Mutates. After the forward pass: key what it computed (``request.num_computed_tokens``
+        must already count the step's tokens) and release blocks the step no longer needs."""
+        n = request.num_computed_tokens
+        for m in self.managers:
+            m.cache(request, n)
+        self._in_flight.discard(request.request_id)
+        if contracts.SLOW:
+            self.check_request(request)
+
+    def free(self, request: Request) -> None:
+        """Mutates. Release every block of ``request`` (finished, or preempted)."""
+        if request.request_id in self._in_flight:
+            raise InvariantViolation(
+                "INV-STEP-PROTOCOL",
+                f"request {request.request_id!r} was allocated this step and freed before its step ran; "
+                "its copies would write blocks it no longer holds",
+            )
+        for m in self.managers:
+            m.free(request)
+
+    # --- checks ---------------------------------------------------------------------------------
+
+    def check_request(self, request: Request) -> None:
+        """Per-request invariants between steps (O(blocks of the request))."""
+        for m in self.managers:
+            if isinstance(m, MambaManager):
+                m.check_real_blocks(request)
+
+    def _check(self) -> bool:
+        """Whole-state check (slow tier): pool conservation, and every table entry is held."""
+        self.pool._check()
+        holders: dict[int, int] = {}
+        for m in self.managers:
+            for table in m.tables.values():
+                for b in table:
+                    if b:
+                        holders[b] = holders.get(b, 0) + 1
+        for b, n in holders.items():
+            ref = self.pool.ref_count(b)
+            if ref < n:
+                raise InvariantViolation("INV-TABLE-HELD", f"block {b} is in {n} tables but has ref count {ref}")
+        return True

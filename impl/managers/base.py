@@ -1,0 +1,153 @@
+"""What every single-type manager shares: the per-request block tables, the per-step ledger of
+copies and retained references, and freeing."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from kvproof.impl.block_pool import NULL_BLOCK, BlockPool
+from kvproof.impl.hashing import key_at
+from kvproof.impl.request import Request
+from kvproof.spec.contracts import InvariantViolation
+from kvproof.spec.layout import GroupLayout
+
+
+class StepLedger:
+    """Block copies ordered in the current scheduler step, shared by every manager.
+
+    Copies run on every rank at the *start* of the step, before the forward pass, as one
+    batch. So a copy source must already hold its tokens when the step begins, and no copy may
+    read a block another copy of the same step writes (INV-COW-SOURCE-READY). Blocks allocated
+    or keyed during this step are recorded to check exactly that.
+    """
+
+    __slots__ = ("copies", "retained", "allocated", "keyed", "_copy_srcs", "_copy_dsts")
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[int, int, int]] = []  # (group_id, src, dst), in order
+        self.retained: list[int] = []  # references to drop once the step has run
+        self.allocated: set[int] = set()  # blocks handed out this step (no contents yet)
+        self.keyed: set[int] = set()  # blocks given a key this step
+        self._copy_srcs: set[int] = set()
+        self._copy_dsts: set[int] = set()
+
+    def add_copy(self, group_id: int, request_id: str, src: int, dst: int) -> None:
+        """Record a copy ``src -> dst`` (INV-COW-SOURCE-READY checked here, O(1))."""
+        if src in self.allocated or src in self.keyed or src in self._copy_dsts:
+            why = (
+                "was allocated this step" if src in self.allocated
+                else "was keyed this step, before the forward pass wrote it" if src in self.keyed
+                else "is the destination of another copy this step (chained copy)"
+            )
+            raise InvariantViolation(
+                "INV-COW-SOURCE-READY",
+                f"request {request_id!r}, group {group_id}: copy {src} -> {dst} reads block {src}, which {why}",
+            )
+        if dst in self._copy_srcs:
+            raise InvariantViolation(
+                "INV-COW-SOURCE-READY",
+                f"request {request_id!r}, group {group_id}: copy {src} -> {dst} writes block {dst}, "
+                "which another copy of this step reads (chained copy)",
+            )
+        self.copies.append((group_id, src, dst))
+        self._copy_srcs.add(src)
+        self._copy_dsts.add(dst)
+
+
+class SingleTypeManager:
+    """Block tables of one cache group. Subclasses define lookup, sizing and caching.
+
+    ``tables[request_id]`` is the request's row in this group, one entry per effective block
+    (``NULL_BLOCK`` where nothing is kept). Verbs mutate; ``find_hit`` and ``blocks_needed`` do
+    not.
+    """
+
+    #: Whether hits may end inside one of this group's blocks at a hash boundary.
+    fine_grained = True
+
+    def __init__(
+        self,
+        group_id: int,
+        layout: GroupLayout,
+        hash_block_size: int,
+        alignment: int,
+        pool: BlockPool,
+        ledger: StepLedger,
+        use_eagle: bool = False,
+    ) -> None:
+        self.group_id = group_id
+        self.group = layout.group
+        self.block_size = layout.effective_block_size  # B_g, global tokens per block id
+        self.max_blocks = layout.max_num_blocks_per_req
+        self.hash_block_size = hash_block_size
+        self.alignment = alignment
+        self.pool = pool
+        self.ledger = ledger
+        self.use_eagle = use_eagle
+        self.tables: dict[str, list[int]] = {}
+
+    # --- queries --------------------------------------------------------------------------------
+
+    def key(self, request: Request, num_tokens: int):
+        return key_at(request.block_hashes, num_tokens, self.hash_block_size, self.group_id)
+
+    def lookup(self, request: Request, num_tokens: int) -> Optional[int]:
+        """The block holding this group's entry for the request's ``num_tokens`` prefix."""
+        return self.pool.lookup((request.block_hashes[num_tokens // self.hash_block_size - 1], self.group_id))
+
+    def find_hit(self, request: Request, bound: int) -> tuple[int, list[int]]:
+        """Largest N <= ``bound`` (a multiple of the alignment) this group can restore, and the
+        blocks that realise it. No state change."""
+        raise NotImplementedError
+
+    def blocks_needed(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> int:
+        """Free-queue blocks ``allocate`` would consume: fresh blocks plus evictable hit blocks
+        (touching a ref-0 cached block takes it out of the free queue). No state change."""
+        raise NotImplementedError
+
+    def check_width(self, request: Request, total_tokens: int) -> None:
+        """INV-TABLE-WIDTH at the scheduler: the row this allocation needs fits the worker row."""
+        need = self.row_length(total_tokens)
+        if need > self.max_blocks:
+            raise InvariantViolation(
+                "INV-TABLE-WIDTH",
+                f"request {request.request_id!r}, group {self.group_id} ({self.group.label}): "
+                f"{total_tokens} tokens need {need} table entries > row width {self.max_blocks}",
+            )
+
+    def row_length(self, total_tokens: int) -> int:
+        return -(-total_tokens // self.block_size)
+
+    def _evictable(self, blocks: list[int]) -> int:
+        ref = self.pool.ref_count
+        return sum(1 for b in blocks if b != NULL_BLOCK and ref(b) == 0)
+
+    # --- verbs ----------------------------------------------------------------------------------
+
+    def allocate(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> list[int]:
+        """Mutates. Give the request blocks for ``total_tokens`` tokens. Returns the entries to
+        append to the worker row (the whole row for a new request)."""
+        raise NotImplementedError
+
+    def cache(self, request: Request, num_computed: int) -> None:
+        """Mutates. Key what the forward pass just computed (called after the step ran)."""
+        raise NotImplementedError
+
+    def end_step(self, request: Request) -> None:
+        """Mutates. Release what the finished step no longer needs (default: nothing)."""
+
+    def free(self, request: Request) -> None:
+        """Mutates. Drop the request's references, tail first (its tail is evicted first)."""
+        table = self.tables.pop(request.request_id, None)
+        if table:
+            self.pool.free([b for b in reversed(table) if b != NULL_BLOCK])
+
+    def _fresh(self, n: int) -> list[int]:
+        blocks = self.pool.allocate(n)
+        if blocks is None:
+            # The coordinator sized every group before allocating anything, so this is a bug.
+            raise InvariantViolation(
+                "INV-ALLOC-ATOMIC", f"group {self.group_id}: pool could not supply {n} blocks after sizing said it could"
+            )
+        self.ledger.allocated.update(blocks)
+        return blocks

@@ -1,0 +1,122 @@
+"""Full attention and MLA: append-only KV, sharded under DCP (one block id covers
+``block_size * dcp`` global positions)."""
+
+from __future__ import annotations
+
+from kvproof.impl.managers.base import SingleTypeManager
+from kvproof.impl.request import Request
+
+
+class FullAttentionManager(SingleTypeManager):
+    """Hits are downward closed: a block holding a longer prefix also holds every shorter one,
+    so a hit may end inside a block (at a hash boundary) by copying that block (copy-on-write:
+    the owner keeps appending to it).
+
+    Caching keeps one key per block: the full-block key once the block is complete, before
+    that (with partial hits on) a partial key at the last computed hash boundary, which grows
+    forward as the block fills (the pool retires the shorter key; no stale key survives).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        b, h, a = self.block_size, self.hash_block_size, self.alignment
+        #: Probe partial entries only if hits may land inside a block.
+        self._probe_partial = a < b
+        #: EAGLE: the draft recomputes one hash unit (one block when hits are block-aligned).
+        self._eagle_unit = (h if self._probe_partial else b) if self.use_eagle else 0
+        # request id -> (full blocks keyed, partial boundary keyed)
+        self._keyed: dict[str, tuple[int, int]] = {}
+
+    # --- lookup ---------------------------------------------------------------------------------
+
+    def find_hit(self, request: Request, bound: int) -> tuple[int, list[int]]:
+        b, h, a = self.block_size, self.hash_block_size, self.alignment
+        hashes, group = request.block_hashes, self.group_id
+        hashed = len(hashes) * h
+        target = min(bound + self._eagle_unit, hashed)
+        lookup = self.pool.lookup
+        blocks: list[int] = []
+        per_block = b // h
+        # Whole blocks: their keys are the fine hash at each block end.
+        for j in range(target // b):
+            found = lookup((hashes[(j + 1) * per_block - 1], group))
+            if found is None:
+                break
+            blocks.append(found)
+        covered = len(blocks) * b
+        if covered < target and len(blocks) == target // b:
+            # The block holding ``target``: any key on it at or past the target covers it.
+            j = len(blocks)
+            top = min((j + 1) * b, hashed)
+            lowest = target if self._probe_partial else top
+            n = top
+            while n >= lowest and n > covered:
+                found = lookup((hashes[n // h - 1], group))
+                if found is not None:
+                    blocks.append(found)
+                    covered = target
+                    break
+                n -= h
+        hit = covered - self._eagle_unit if covered >= self._eagle_unit else 0
+        hit = min(hit, bound)
+        hit -= hit % a
+        return hit, blocks[: -(-hit // b)]
+
+    # --- allocation -----------------------------------------------------------------------------
+
+    def blocks_needed(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> int:
+        want = self.row_length(total_tokens)
+        table = self.tables.get(request.request_id)
+        if table is not None:
+            return max(want - len(table), 0)
+        cow = 1 if hit_len % self.block_size else 0
+        return max(want - len(hit_blocks), 0) + cow + self._evictable(hit_blocks)
+
+    def allocate(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> list[int]:
+        rid = request.request_id
+        table = self.tables.get(rid)
+        if table is None:
+            table = list(hit_blocks)  # the coordinator has touched them
+            if hit_len % self.block_size:
+                # Copy-on-write: the source's owner keeps appending to it; we take a copy of
+                # its first ``hit_len % B`` positions (on every rank's shard) and append to that.
+                src = table[-1]
+                dst = self._fresh(1)[0]
+                self.ledger.add_copy(self.group_id, rid, src, dst)
+                self.ledger.retained.append(src)  # our hit reference, dropped after the copy ran
+                table[-1] = dst
+            self.tables[rid] = table
+            self._keyed[rid] = (hit_len // self.block_size, 0)
+            new = self._fresh(max(self.row_length(total_tokens) - len(table), 0))
+            table.extend(new)
+            return list(table)
+        new = self._fresh(max(self.row_length(total_tokens) - len(table), 0))
+        table.extend(new)
+        return new
+
+    # --- caching --------------------------------------------------------------------------------
+
+    def cache(self, request: Request, num_computed: int) -> None:
+        rid = request.request_id
+        table = self.tables[rid]
+        b, h = self.block_size, self.hash_block_size
+        hashes = request.block_hashes
+        limit = min(num_computed, len(hashes) * h)
+        full_done, partial_done = self._keyed[rid]
+        full = limit // b
+        per_block = b // h
+        pool, group, keyed = self.pool, self.group_id, self.ledger.keyed
+        for j in range(full_done, full):
+            if pool.cache_full(table[j], (hashes[(j + 1) * per_block - 1], group), (j + 1) * b):
+                keyed.add(table[j])
+        boundary = limit - limit % h
+        if self._probe_partial and boundary % b and boundary > partial_done:
+            blk = table[boundary // b]
+            if pool.cache_partial(blk, (hashes[boundary // h - 1], group), boundary):
+                keyed.add(blk)
+            partial_done = boundary
+        self._keyed[rid] = (max(full, full_done), partial_done)
+
+    def free(self, request: Request) -> None:
+        self._keyed.pop(request.request_id, None)
+        super().free(request)

@@ -1,0 +1,166 @@
+"""Mamba / linear attention in ``align`` mode: one recurrent state per request, replicated on
+every DCP rank, kept in the block at index ``cdiv(n, B) - 1`` after ``n`` computed tokens."""
+
+from __future__ import annotations
+
+from kvproof.impl.block_pool import NULL_BLOCK
+from kvproof.impl.managers.base import SingleTypeManager
+from kvproof.impl.request import Request
+from kvproof.spec.contracts import InvariantViolation
+
+
+class MambaManager(SingleTypeManager):
+    """A state summarises exactly one prefix length, so a hit needs a state at exactly N.
+
+    The forward pass of a chunk ``[c, c + k)`` reads the state block of ``c`` and writes the
+    one of ``c + k``. When both indices are equal the write is in place; if the state at ``c``
+    is cached, the owner first copies it away (copy-on-write for the running owner) and the
+    key moves to the copy once the step has run. A hit at N not on a block boundary is copied
+    for the new request too (the next chunk may land in the same block index). Older state
+    blocks are released after the step that last read them, so a request holds at most two
+    real blocks (INV-MAMBA-REAL-BLOCKS). States are keyed where chunks end on a hash boundary:
+    block-aligned ones always (full-block keys), others only inside the prompt (prefill
+    checkpoints, partial keys) -- dense retention.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.group.num_speculative_blocks:
+            raise ValueError(
+                f"group {self.group_id} ({self.group.label}): num_speculative_blocks "
+                f"{self.group.num_speculative_blocks} is not supported by the scheduler-side manager yet; expected 0"
+            )
+        if not self.group.prefix_cacheable:
+            # Mode 'none': one state block for the whole request, never keyed.
+            self.block_size = 1 << 62
+        # request id -> state block index (-1: no state yet)
+        self._state_index: dict[str, int] = {}
+        # request id -> (cached state block, its copy): key moves once the step has run
+        self._pending_move: dict[str, tuple[int, int]] = {}
+
+    def row_length(self, total_tokens: int) -> int:
+        return -(-total_tokens // self.block_size) + self.group.num_speculative_blocks
+
+    # --- lookup ---------------------------------------------------------------------------------
+
+    def find_hit(self, request: Request, bound: int) -> tuple[int, list[int]]:
+        a, h, b = self.alignment, self.hash_block_size, self.block_size
+        hashes, group, lookup = request.block_hashes, self.group_id, self.pool.lookup
+        n = min(bound, len(hashes) * h)
+        n -= n % a
+        while n > 0:
+            found = lookup((hashes[n // h - 1], group))
+            if found is not None:
+                return n, [NULL_BLOCK] * (-(-n // b) - 1) + [found]
+            n -= a
+        return 0, []
+
+    # --- allocation -----------------------------------------------------------------------------
+
+    def blocks_needed(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> int:
+        b = self.block_size
+        new_index = -(-total_tokens // b) - 1
+        rid = request.request_id
+        if rid in self.tables:
+            index = self._state_index[rid]
+            if new_index > index:
+                return 1
+            state = self.tables[rid][index]
+            return 1 if self.pool.key_of(state) is not None else 0
+        index = -(-hit_len // b) - 1
+        cow = 1 if hit_len % b else 0
+        return cow + (1 if new_index > index else 0) + self._evictable(hit_blocks)
+
+    def allocate(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> list[int]:
+        rid, b = request.request_id, self.block_size
+        new_index = -(-total_tokens // b) - 1
+        table = self.tables.get(rid)
+        if table is None:
+            table = list(hit_blocks)
+            index = len(table) - 1
+            if hit_len:  # the coordinator has touched the hit block
+                src = table[index]
+                if hit_len % b:
+                    # The next chunk may write this block index in place: work on a copy.
+                    dst = self._fresh(1)[0]
+                    self.ledger.add_copy(self.group_id, rid, src, dst)
+                    self.ledger.retained.append(src)
+                    table[index] = dst
+            self.tables[rid] = table
+            self._state_index[rid] = index
+            if new_index > index:
+                table.extend([NULL_BLOCK] * (new_index - index - 1))
+                table.extend(self._fresh(1))
+                self._state_index[rid] = new_index
+            return list(table)
+        index = self._state_index[rid]
+        if new_index > index:
+            start = len(table)
+            table.extend([NULL_BLOCK] * (new_index - len(table)))
+            table.extend(self._fresh(1))
+            self._state_index[rid] = new_index
+            return table[start:]
+        state = table[index]
+        if self.pool.key_of(state) is not None:
+            # Running owner writes its cached state block in place: copy the cached state out
+            # first (at step start, while the block still holds it).
+            copy = self._fresh(1)[0]
+            self.ledger.add_copy(self.group_id, rid, state, copy)
+            self._pending_move[rid] = (state, copy)
+        return []
+
+    # --- after the step -------------------------------------------------------------------------
+
+    def cache(self, request: Request, num_computed: int) -> None:
+        rid = request.request_id
+        table = self.tables[rid]
+        pool = self.pool
+        moved = self._pending_move.pop(rid, None)
+        if moved is not None:
+            state, copy = moved
+            pool.move_key(state, copy)
+            pool.free([copy])  # the copy is held by the cache only: evictable, hittable
+        index = self._state_index[rid]
+        # Release states older than the current one: the step that read them has run.
+        stale = [i for i in range(index) if table[i] != NULL_BLOCK]
+        if stale:
+            pool.free([table[i] for i in reversed(stale)])
+            for i in stale:
+                table[i] = NULL_BLOCK
+        n, b, h = num_computed, self.block_size, self.hash_block_size
+        expected_index = -(-n // b) - 1
+        if expected_index != index:
+            raise InvariantViolation(
+                "INV-MAMBA-STATE-INDEX",
+                f"request {rid!r}, group {self.group_id}: state after {n} tokens must be at index "
+                f"{expected_index}, the table's state is at {index}",
+            )
+        if n % h or n > request.hashed_len or not self.group.prefix_cacheable:
+            return
+        block = table[index]
+        key = (request.block_hashes[n // h - 1], self.group_id)
+        if n % b == 0:
+            if pool.key_of(block) != key and pool.cache_full(block, key, n):
+                self.ledger.keyed.add(block)
+        elif n <= request.num_prompt_tokens:
+            if pool.cache_partial(block, key, n, replace=True):
+                self.ledger.keyed.add(block)
+
+    def check_real_blocks(self, request: Request) -> None:
+        """INV-MAMBA-REAL-BLOCKS: at most two real blocks between steps (plus speculative)."""
+        table = self.tables.get(request.request_id, [])
+        real = sum(1 for x in table if x != NULL_BLOCK)
+        limit = 1 + self.group.num_speculative_blocks
+        if real > limit:
+            raise InvariantViolation(
+                "INV-MAMBA-REAL-BLOCKS",
+                f"request {request.request_id!r}, group {self.group_id}: {real} real state blocks between steps > {limit}",
+            )
+
+    def free(self, request: Request) -> None:
+        rid = request.request_id
+        moved = self._pending_move.pop(rid, None)
+        if moved is not None:
+            self.pool.free([moved[1]])
+        self._state_index.pop(rid, None)
+        super().free(request)

@@ -1,0 +1,85 @@
+"""Sliding-window attention: only the last ``window - 1`` tokens are read, so blocks that fall
+out of the window are released; hits are block-aligned (no fine-grained lookup)."""
+
+from __future__ import annotations
+
+from kvproof.impl.block_pool import NULL_BLOCK
+from kvproof.impl.managers.base import SingleTypeManager
+from kvproof.impl.request import Request
+
+
+class SlidingWindowManager(SingleTypeManager):
+    """A hit at N needs every block overlapping ``[N - window + 1, N)``; earlier entries are
+    null. Its presence with an effective block other than H turns partial hits off (the
+    geometry's fallback), so hits land on multiples of S, which are block-aligned here."""
+
+    fine_grained = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.window = self.group.sliding_window or 1
+        self._keyed: dict[str, int] = {}
+
+    def _first_needed(self, n: int) -> int:
+        return max(0, n - (self.window - 1)) // self.block_size
+
+    def find_hit(self, request: Request, bound: int) -> tuple[int, list[int]]:
+        a, b, h = self.alignment, self.block_size, self.hash_block_size
+        hashes, group, lookup = request.block_hashes, self.group_id, self.pool.lookup
+        per_block = b // h
+        n = min(bound, len(hashes) * h)
+        n -= n % a
+        while n > 0:
+            if n % b == 0:
+                first = self._first_needed(n)
+                found = []
+                for j in range(first, n // b):
+                    blk = lookup((hashes[(j + 1) * per_block - 1], group))
+                    if blk is None:
+                        break
+                    found.append(blk)
+                if len(found) == n // b - first:
+                    return n, [NULL_BLOCK] * first + found
+            n -= a
+        return 0, []
+
+    def blocks_needed(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> int:
+        table = self.tables.get(request.request_id)
+        have = len(table) if table is not None else len(hit_blocks)
+        extra = 0 if table is not None else self._evictable(hit_blocks)
+        return max(self.row_length(total_tokens) - have, 0) + extra
+
+    def allocate(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> list[int]:
+        rid = request.request_id
+        table = self.tables.get(rid)
+        if table is None:
+            table = list(hit_blocks)  # the coordinator has touched them
+            self.tables[rid] = table
+            self._keyed[rid] = hit_len // self.block_size
+            table.extend(self._fresh(max(self.row_length(total_tokens) - len(table), 0)))
+            return list(table)
+        new = self._fresh(max(self.row_length(total_tokens) - len(table), 0))
+        table.extend(new)
+        return new
+
+    def cache(self, request: Request, num_computed: int) -> None:
+        rid = request.request_id
+        table = self.tables[rid]
+        b, h = self.block_size, self.hash_block_size
+        hashes = request.block_hashes
+        full = min(num_computed, len(hashes) * h) // b
+        per_block = b // h
+        for j in range(self._keyed[rid], full):
+            if table[j] != NULL_BLOCK and self.pool.cache_full(table[j], (hashes[(j + 1) * per_block - 1], self.group_id), (j + 1) * b):
+                self.ledger.keyed.add(table[j])
+        self._keyed[rid] = max(full, self._keyed[rid])
+        # Blocks wholly before the next token's window are no longer read.
+        out = [j for j in range(self._first_needed(num_computed)) if table[j] != NULL_BLOCK]
+        if out:
+            self.pool.free([table[j] for j in reversed(out)])
+            for j in out:
+                table[j] = NULL_BLOCK
+
+    def free(self, request: Request) -> None:
+        self._keyed.pop(request.request_id, None)
+        super().free(request)

@@ -1,0 +1,174 @@
+"""A minimal scheduler loop: FCFS admission under a token budget, chunked prefill by the Mamba
+chunk-split rule, one-token decode, and preemption when the pool is full.
+
+Each step: running requests first (decode one token, or their next prefill chunk), then
+waiting requests in arrival order while the budget and the pool allow (no skipping: FCFS).
+When a running request cannot get blocks, the most recently admitted running request that
+has not been scheduled in this step is preempted (its blocks freed, re-queued at the front,
+recomputed from its next cache lookup); if none is left, the request preempts itself.
+
+Outputs follow the trace (docs/replay.md): prefill ends by sampling ``output[0]``; each later
+step computes the previous output token and samples the next; a request with k outputs finishes
+when ``output[k-1]`` is sampled, so the KV of its last output token is never computed.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from kvproof.impl.kv_cache_manager import KVCacheManager
+from kvproof.impl.request import Request
+from kvproof.spec.chunk_split import mamba_chunk_end
+from kvproof.spec.groups import GroupKind, MambaCacheMode
+
+
+class CapacityError(ValueError):
+    """A request can never be scheduled: it needs more blocks than the whole pool holds."""
+
+
+@dataclasses.dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # first position computed in this step
+    num_tokens: int
+    new_blocks: tuple[list[int], ...]  # per group: entries to append to the worker row
+    overwrite: bool  # a (re)admitted request: ``new_blocks`` is its whole row
+
+
+@dataclasses.dataclass
+class StepPlan:
+    step: int
+    chunks: list[ScheduledChunk]
+    copies: list[tuple[int, int, int]]  # (group_id, src, dst), run on every rank first
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256) -> None:
+        if max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} must be > 0")
+        if max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs {max_num_seqs} must be > 0")
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.pending: list[Request] = []  # not yet arrived, sorted by arrival
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        self.num_preemptions = 0
+        self.step = 0
+        layout = kv.layout
+        mamba = [
+            g.group.block_size for g in layout.groups
+            if g.group.kind is GroupKind.MAMBA and g.group.mamba_cache_mode is MambaCacheMode.ALIGN
+        ]
+        self._mamba_block = min(mamba) if mamba else None
+        self._partial_tail = layout.partial_hash_hits and layout.hash_block_size < layout.scheduler_block_size
+        self._eagle = kv.coordinator.use_eagle
+
+    def add_request(self, request: Request) -> None:
+        self.pending.append(request)
+        self.pending.sort(key=lambda r: r.arrival)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending or self.waiting or self.running)
+
+    # --- one step -------------------------------------------------------------------------------
+
+    def _chunk_end(self, request: Request, start: int, budget: int) -> int:
+        if self._mamba_block is None:
+            return min(start + budget, request.num_tokens)
+        return mamba_chunk_end(
+            start, budget, request.num_tokens, request.num_prompt_tokens, self._mamba_block,
+            self.kv.layout.hash_block_size, self._partial_tail, self._eagle,
+        )
+
+    def schedule(self) -> StepPlan:
+        """Mutates. Plan one step; the caller runs it (copies, then the forward pass) and then
+        calls :meth:`finish_step`."""
+        self.step += 1
+        self.kv.begin_step()
+        while self.pending and self.pending[0].arrival <= self.step:
+            self.waiting.append(self.pending.pop(0))
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+        scheduled: set[str] = set()
+        queue = list(self.running)
+        i = 0
+        while i < len(queue) and budget > 0:
+            req = queue[i]
+            start = req.num_computed_tokens
+            end = self._chunk_end(req, start, budget)
+            blocks = self.kv.allocate_slots(req, end - start)
+            while blocks is None:
+                victim = next((r for r in reversed(queue) if r.request_id not in scheduled), None)
+                if victim is None or victim is req and len(scheduled) == 0 and len(queue) == 1:
+                    raise CapacityError(
+                        f"request {req.request_id!r} cannot get blocks for {end} tokens even with the pool to itself "
+                        f"({self.kv.pool.num_blocks - 1} blocks); raise --num-blocks"
+                    )
+                self._preempt(victim, preempted)
+                queue.remove(victim)
+                if victim is req:
+                    break
+                blocks = self.kv.allocate_slots(req, end - start)
+            if blocks is None:
+                continue
+            chunks.append(ScheduledChunk(req, start, end - start, blocks, overwrite=False))
+            scheduled.add(req.request_id)
+            budget -= end - start
+            i += 1
+        self.running = [r for r in queue]
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hit = self.kv.lookup(req)
+            start = hit.num_tokens
+            end = self._chunk_end(req, start, budget)
+            blocks = self.kv.allocate_slots(req, end - start, hit)
+            if blocks is None:
+                if not self.running and not chunks:
+                    raise CapacityError(
+                        f"request {req.request_id!r} cannot get blocks for {end} tokens even with an empty pool "
+                        f"({self.kv.pool.num_blocks - 1} blocks); raise --num-blocks"
+                    )
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            chunks.append(ScheduledChunk(req, start, end - start, blocks, overwrite=True))
+            budget -= end - start
+        return StepPlan(self.step, chunks, self.kv.take_block_copies(), preempted)
+
+    def _preempt(self, request: Request, preempted: list[Request]) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        preempted.append(request)
+
+    def finish_step(self, plan: StepPlan) -> list[Request]:
+        """Mutates. The plan's forward pass ran: advance computed tokens, key the new contents,
+        sample (append the trace's next output), and free finished requests."""
+        done = []
+        for chunk in plan.chunks:
+            req = chunk.request
+            req.num_computed_tokens = chunk.start + chunk.num_tokens
+            self.kv.cache(req)
+            if req.num_computed_tokens == req.num_tokens:
+                k = req.num_outputs
+                if k < len(req.expected_outputs):
+                    req.append_output(req.expected_outputs[k])
+                if req.num_outputs >= len(req.expected_outputs):
+                    done.append(req)
+        for req in done:
+            self.kv.free(req)
+            self.running.remove(req)
+            self.finished.append(req)
+        return done
