@@ -122,7 +122,10 @@ class ContentOracle:
             for p in range(chunk.start, end):
                 rank, blk, off = self._slot(p, g, row)
                 for r in (range(self.dcp) if rank is None else (rank,)):
-                    self.kv[r].setdefault((g.gid, blk), {})[off] = ids[p]
+                    page = self.kv[r].get((g.gid, blk))
+                    if page is None:  # never written on this rank, or copied from such a page
+                        page = self.kv[r][(g.gid, blk)] = {}
+                    page[off] = ids[p]
 
     def _read_states(self, chunk) -> None:
         req, start = chunk.request, chunk.start
@@ -153,7 +156,7 @@ class ContentOracle:
             for p in range(first, end):
                 rank, blk, off = self._slot(p, g, row)
                 for r in (range(self.dcp) if rank is None else (rank,)):
-                    if self.kv[r].get((g.gid, blk), {}).get(off) != ids[p]:
+                    if (self.kv[r].get((g.gid, blk)) or {}).get(off) != ids[p]:
                         self._violation(
                             "INV-CONTENT-KV",
                             f"request {req.request_id!r}, group {g.gid}, rank {r}: position {p} reads block {blk} "

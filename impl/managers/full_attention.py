@@ -44,17 +44,17 @@ class FullAttentionManager(SingleTypeManager):
                 break
             blocks.append(found)
         covered = len(blocks) * b
-        if covered < target and len(blocks) == target // b:
-            # The block holding ``target``: any key on it at or past the target covers it.
-            j = len(blocks)
-            top = min((j + 1) * b, hashed)
-            lowest = target if self._probe_partial else top
+        if covered < target:
+            # The block holding ``target``: its longest key (full, or partial at a hash
+            # boundary) covers the block up to that key's length, capped at the target.
+            top = min(covered + b, hashed)
+            lowest = covered + h if self._probe_partial else top
             n = top
-            while n >= lowest and n > covered:
+            while n >= lowest:
                 found = lookup((hashes[n // h - 1], group))
                 if found is not None:
                     blocks.append(found)
-                    covered = target
+                    covered = min(n, target)
                     break
                 n -= h
         hit = covered - self._eagle_unit if covered >= self._eagle_unit else 0

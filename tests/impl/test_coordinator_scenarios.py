@@ -1,0 +1,258 @@
+"""The hybrid coordinator through the KV-cache-manager facade: vLLM's partial-hit scenarios
+(reference 9.1, with kvproof's semantics where 0.33.0 is wrong) and each contract firing."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvproof.impl.kv_cache_manager import KVCacheManager
+from kvproof.impl.request import Request
+from kvproof.spec.contracts import InvariantViolation
+from kvproof.spec.groups import CacheGroup, GroupKind
+from kvproof.spec.layout import LayoutConfig, resolve_layout
+
+FA, MAMBA, SWA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA, GroupKind.SLIDING_WINDOW
+
+
+def make_kv(groups, dcp=1, hash_block_size=None, num_blocks=64, eagle=False, partial=True):
+    layout = resolve_layout(LayoutConfig(tuple(groups), dcp=dcp, max_model_len=4096,
+                                         hash_block_size=hash_block_size, allow_partial_hash_hits=partial))
+    return KVCacheManager(layout, num_blocks, use_eagle=eagle)
+
+
+def run_chunks(kv, req, chunks):
+    """Schedule ``req`` alone for each chunk size in turn (lookup on its first chunk)."""
+    for i, n in enumerate(chunks):
+        kv.begin_step()
+        hit = kv.lookup(req) if i == 0 else None
+        assert kv.allocate_slots(req, n, hit) is not None
+        copies = kv.take_block_copies()
+        req.num_computed_tokens += n
+        kv.cache(req)
+    return copies
+
+
+def admit(kv, req, n):
+    """One step admitting ``req``: look it up, allocate ``n`` tokens after its hit, run."""
+    kv.begin_step()
+    hit = kv.lookup(req)
+    blocks = kv.allocate_slots(req, n, hit)
+    copies = kv.take_block_copies()
+    if blocks is not None:
+        req.num_computed_tokens = hit.num_tokens + n
+        kv.cache(req)
+    return hit, blocks, copies
+
+
+def req(rid, tokens, kv, salt=None):
+    return Request(rid, tokens, kv.layout.hash_block_size, cache_salt=salt)
+
+
+# --- reference 9.1: partial hits under DCP -------------------------------------------------------
+
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_k3_prime_then_replay_hits_256(dcp):
+    kv = make_kv([CacheGroup(FA, 256), CacheGroup(MAMBA, 256)], dcp=dcp, num_blocks=32)
+    shared = list(range(1000, 1256))
+    prime = req("prime", shared + [7], kv)
+    run_chunks(kv, prime, [256, 1])
+    kv.free(prime)
+    replay = req("replay", shared + [8, 9], kv)
+    hit, _, copies = admit(kv, replay, 2)
+    assert hit.num_tokens == 256
+    # Under DCP 2 the attention virtual block is 512 tokens: 256 is half of it -> one FA copy.
+    assert [g for g, _, _ in copies] == ([0] if dcp == 2 else [])
+
+
+def test_k3_old_rule_under_dcp_2_gives_no_hit():
+    kv = make_kv([CacheGroup(FA, 256), CacheGroup(MAMBA, 256)], dcp=2, num_blocks=32, partial=False)
+    shared = list(range(256))
+    prime = req("prime", shared + [7], kv)
+    run_chunks(kv, prime, [256, 1])
+    kv.free(prime)
+    hit, _, _ = admit(kv, req("replay", shared + [8, 9], kv), 2)
+    assert hit.num_tokens == 0
+
+
+@pytest.mark.parametrize("dcp", [1, 2, 4])
+def test_partial_hash_hit_copies_both_groups(dcp):
+    """FA 4 (B = 4*dcp), Mamba 4, H 2: a 6-token producer, an 8-token replay hits 6 with a copy
+    in both groups (6 is inside an attention block and inside a Mamba block)."""
+    kv = make_kv([CacheGroup(FA, 4), CacheGroup(MAMBA, 4)], dcp=dcp, hash_block_size=2)
+    run_chunks(kv, req("p", [1, 2, 3, 4, 5, 6], kv), [6])
+    r = req("r", [1, 2, 3, 4, 5, 6, 7, 8], kv)
+    hit, blocks, copies = admit(kv, r, 2)
+    assert hit.num_tokens == 6
+    assert [len(b) for b in hit.blocks] == [-(-6 // (4 * dcp)), 2]
+    assert sorted(g for g, _, _ in copies) == [0, 1]
+    assert all(src != dst for _, src, dst in copies)
+
+
+def test_dcp_fine_hit_on_hash_boundary():
+    """D 4, FA 2 (B = 8), Mamba 2, H 2: a producer computes 6 of 7 tokens; the same prompt hits 6."""
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 2)], dcp=4)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    run_chunks(kv, req("p", prompt, kv), [6])
+    hit, _, _ = admit(kv, req("c", prompt, kv), 1)
+    assert hit.num_tokens == 6
+
+
+def test_joint_hit_is_bounded_by_mamba_states():
+    """D 2, block 4 = H: with states at 8 and 12 only after the producer computed 12."""
+    kv = make_kv([CacheGroup(FA, 4), CacheGroup(MAMBA, 4)], dcp=2)
+    prompt = list(range(12))
+    producer = req("p", prompt, kv)
+    run_chunks(kv, producer, [8])
+    hit, _, _ = admit(kv, req("a", prompt + [99, 98, 97, 96], kv), 1)
+    assert hit.num_tokens == 8
+    assert [len(b) for b in hit.blocks] == [1, 2]
+    # A fresh manager keeps the second half independent of the consumer above.
+    kv2 = make_kv([CacheGroup(FA, 4), CacheGroup(MAMBA, 4)], dcp=2)
+    run_chunks(kv2, req("p", prompt, kv2), [8, 4])
+    hit, _, _ = admit(kv2, req("b", prompt + [99, 98, 97, 96], kv2), 1)
+    assert hit.num_tokens == 12
+    assert [len(b) for b in hit.blocks] == [2, 3]
+
+
+def test_eagle_drops_one_hash_unit():
+    kv = make_kv([CacheGroup(FA, 4), CacheGroup(MAMBA, 4)], dcp=2, hash_block_size=2, eagle=True)
+    run_chunks(kv, req("p", [7] * 6, kv), [4, 2])
+    hit, blocks, _ = admit(kv, req("r", [7] * 8, kv), 4)
+    assert hit.num_tokens == 4
+    assert blocks is not None and all(len(b) * bs >= 4 for b, bs in zip(hit.blocks, (8, 4)))
+
+
+def test_sliding_window_forces_block_aligned_hits():
+    """FA 2 / Mamba 8 plus a replicated window group of 4: partial hits off; hits at S = 8."""
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 8), CacheGroup(SWA, 4, sliding_window=8)])
+    assert not kv.layout.partial_hash_hits and kv.layout.cache_hit_alignment == 8
+    prompt = list(range(12))
+    run_chunks(kv, req("p", prompt, kv), [8, 4])
+    hit, _, _ = admit(kv, req("r", prompt + [1], kv), 5)
+    assert hit.num_tokens == 8
+    assert len(hit.blocks[0]) * 2 == 8
+
+
+def test_running_owner_copies_its_cached_state_before_writing_in_place():
+    """A 7-token prompt in chunks 6 + 1 (Mamba 4, H 2): the state at 6 is cached; continuing
+    writes block 1 in place, so the owner first copies it and the key moves to the copy; a later
+    request hits the moved state (and copies it again)."""
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+    owner = req("o", prompt, kv)
+    run_chunks(kv, owner, [6])
+    state = kv.block_table(owner)[1][1]
+    key_before = kv.pool.key_of(state)
+    assert key_before is not None
+    kv.begin_step()
+    appended = kv.allocate_slots(owner, 1)
+    assert len(appended[0]) == 1 and appended[1] == []  # no new Mamba entry: the row is append-only
+    copies = kv.take_block_copies()
+    assert copies and copies[0][:2] == (1, state)
+    moved = copies[0][2]
+    owner.num_computed_tokens = 7
+    kv.cache(owner)
+    assert kv.pool.key_of(state) is None and kv.pool.key_of(moved) == key_before
+    hit, _, copies = admit(kv, req("later", prompt[:6] + [8, 8], kv), 2)
+    assert hit.num_tokens == 6 and hit.blocks[1][-1] == moved
+    assert (1, moved) in [(g, s) for g, s, _ in copies]
+
+
+def test_mamba_keeps_at_most_two_real_blocks():
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
+    r = req("r", list(range(40)), kv)
+    run_chunks(kv, r, [4, 4, 4, 8, 8, 12])
+    assert sum(1 for b in kv.block_table(r)[1] if b) == 1
+
+
+def test_cache_salt_isolates_tenants():
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
+    run_chunks(kv, req("a", list(range(9)), kv, salt="tenant-a"), [8])
+    assert admit(kv, req("b", list(range(9)), kv, salt="tenant-b"), 1)[0].num_tokens == 0
+    assert admit(kv, req("c", list(range(9)), kv, salt="tenant-a"), 1)[0].num_tokens == 8
+
+
+# --- atomicity and contracts --------------------------------------------------------------------
+
+def test_failed_allocation_changes_nothing():
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)], num_blocks=8)
+    big = req("big", list(range(40)), kv)
+    kv.begin_step()
+    free, order = kv.pool.num_free, kv.pool.free_order()
+    assert kv.allocate_slots(big, 40, kv.lookup(big)) is None
+    assert kv.pool.num_free == free and kv.pool.free_order() == order
+    assert kv.block_table(big) == ([], [])
+    assert big.num_computed_tokens == 0
+
+
+def test_table_width_checked_for_every_group_before_any_write():
+    layout = resolve_layout(LayoutConfig((CacheGroup(FA, 2), CacheGroup(MAMBA, 4)), max_model_len=8))
+    kv = KVCacheManager(layout, 64)
+    kv.managers[1].max_blocks = 1  # as if the Mamba row were sized by the old DCP-divided rule
+    r = Request("r", list(range(8)), layout.hash_block_size)
+    kv.begin_step()
+    free = kv.pool.num_free
+    with pytest.raises(InvariantViolation, match=r"INV-TABLE-WIDTH: request 'r', group 1 \(mamba:4\): 8 tokens need 2 table entries > row width 1"):
+        kv.allocate_slots(r, 8)
+    assert kv.pool.num_free == free and kv.block_table(r) == ([], [])
+
+
+def test_cow_source_ready_fires_when_keys_are_added_before_the_forward_pass():
+    """vLLM 0.33's ordering (reference 10.1): keys registered inside allocate, before the
+    forward pass, let a same-step request copy a block the forward has not written yet."""
+    kv = make_kv([CacheGroup(FA, 4), CacheGroup(MAMBA, 4)], hash_block_size=2)
+    producer = req("p", [1, 2, 3, 4, 5, 6, 7], kv)
+    kv.begin_step()
+    kv.allocate_slots(producer, 6, kv.lookup(producer))
+    producer.num_computed_tokens = 6
+    kv.cache(producer)  # too early: this step's forward has not run
+    consumer = req("c", [1, 2, 3, 4, 5, 6, 9], kv)
+    with pytest.raises(InvariantViolation, match="INV-COW-SOURCE-READY: request 'c', group 0: copy .* which was allocated this step"):
+        kv.allocate_slots(consumer, 1, kv.lookup(consumer))
+
+
+def test_chained_copy_is_refused():
+    kv = make_kv([CacheGroup(FA, 4), CacheGroup(MAMBA, 4)], hash_block_size=2)
+    ledger = kv.coordinator.ledger
+    kv.begin_step()
+    ledger.add_copy(0, "a", 5, 6)
+    with pytest.raises(InvariantViolation, match="chained copy"):
+        ledger.add_copy(0, "b", 6, 7)
+    with pytest.raises(InvariantViolation, match="chained copy"):
+        ledger.add_copy(0, "b", 9, 5)
+
+
+def test_free_of_a_request_allocated_in_the_running_step_is_refused():
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
+    r = req("r", [1, 2, 3], kv)
+    kv.begin_step()
+    kv.allocate_slots(r, 3, kv.lookup(r))
+    with pytest.raises(InvariantViolation, match="INV-STEP-PROTOCOL"):
+        kv.free(r)
+
+
+def test_mamba_real_block_bound_fires():
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
+    r = req("r", list(range(12)), kv)
+    run_chunks(kv, r, [4])
+    kv.managers[1].tables["r"][0:0] = [kv.pool.allocate(1)[0]]  # an extra state block kept
+    with pytest.raises(InvariantViolation, match="INV-MAMBA-REAL-BLOCKS"):
+        kv.check_request(r)
+
+
+def test_hit_bound_fires_on_a_finder_that_overshoots(monkeypatch):
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
+    from kvproof.impl.coordinator import Hit
+    monkeypatch.setattr(kv.coordinator, "find_longest_hit", lambda request, bound: Hit(bound + 1, ([], [])))
+    with pytest.raises(InvariantViolation, match="INV-HIT-BOUND"):
+        kv.lookup(req("r", [1, 2, 3, 4], kv))
+
+
+def test_bad_input_is_named():
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
+    r = req("r", [1, 2, 3], kv)
+    kv.begin_step()
+    with pytest.raises(ValueError, match="num_new_tokens 0 must be > 0"):
+        kv.allocate_slots(r, 0)
+    with pytest.raises(ValueError, match="exceed the 3 known tokens"):
+        kv.allocate_slots(r, 4)
