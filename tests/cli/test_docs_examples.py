@@ -23,7 +23,8 @@ def _examples():
 
 
 @pytest.mark.parametrize("command, expected", list(_examples()))
-def test_doc_example_output(capsys, command, expected):
+def test_doc_example_output(capsys, monkeypatch, command, expected):
+    monkeypatch.chdir(ROOT)  # examples name files relative to the repository root
     argv = shlex.split(command)[1:]
     assert main(argv) == 0
     assert capsys.readouterr().out == expected
