@@ -53,6 +53,8 @@ class HybridCoordinator:
             m for m in sorted(self.managers, key=lambda m: not m.group.kind.is_attention)
         )
         self._cacheable = all(m.group.prefix_cacheable for m in self.managers)
+        #: Longest request every group's worker row can hold (checked in full only above it).
+        self._max_tokens = min(m.max_tokens for m in self.managers)
 
     # --- lookup ---------------------------------------------------------------------------------
 
@@ -101,17 +103,30 @@ class HybridCoordinator:
             m.blocks_needed(request, total_tokens, hit.num_tokens, bl) for m, bl in zip(self.managers, hit.blocks)
         )
 
-    def allocate(self, request: Request, total_tokens: int, hit: Hit) -> tuple[list[int], ...] | None:
-        """Mutates unless it returns None. Blocks for ``total_tokens`` tokens in every group,
-        or None with nothing changed when the pool cannot supply them all (INV-ALLOC-ATOMIC).
-        Every group's row width is checked before any group is touched (INV-TABLE-WIDTH)."""
-        for m in self.managers:
-            m.check_width(request, total_tokens)
+    def allocate(self, request: Request, total_tokens: int, hit: Hit | None) -> tuple[list[int], ...] | None:
+        """Mutates unless it returns None. Blocks for ``total_tokens`` tokens in every group
+        (``hit`` None: a running request), or None with nothing changed when the pool cannot
+        supply them all (INV-ALLOC-ATOMIC). Every group's row width is checked before any
+        group is touched (INV-TABLE-WIDTH)."""
+        if total_tokens > self._max_tokens:
+            for m in self.managers:
+                m.check_width(request, total_tokens)
+        managers = self.managers
+        if hit is None:
+            needed = 0
+            for m in managers:
+                needed += m.blocks_needed(request, total_tokens, 0, _EMPTY)
+            if needed > self.pool.num_free:
+                return None
+            return tuple([m.allocate(request, total_tokens, 0, _EMPTY) for m in managers])
         if self.blocks_needed(request, total_tokens, hit) > self.pool.num_free:
             return None
         # Take every group's hit blocks out of the free queue before any group allocates, or a
         # fresh allocation could evict (and reuse) an evictable block another group just hit.
         self.pool.touch([b for bl in hit.blocks for b in bl])
-        return tuple(
-            m.allocate(request, total_tokens, hit.num_tokens, bl) for m, bl in zip(self.managers, hit.blocks)
-        )
+        n = hit.num_tokens
+        return tuple([m.allocate(request, total_tokens, n, bl) for m, bl in zip(managers, hit.blocks)])
+
+
+#: The hit block list of a running request (never mutated).
+_EMPTY: list[int] = []

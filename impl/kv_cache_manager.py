@@ -35,6 +35,8 @@ class KVCacheManager:
         self.coordinator = HybridCoordinator(layout, self.pool, use_eagle=use_eagle)
         self.managers = self.coordinator.managers
         self._step = 0
+        self._running_tables = self.managers[0].tables  # a request is running iff it has a row
+        self._no_hit = Hit(0, tuple([] for _ in self.managers))
         self._in_flight: set[str] = set()  # allocated this step, not yet cached
         self.num_copies = 0
 
@@ -63,7 +65,7 @@ class KVCacheManager:
         return tuple(list(m.tables.get(request.request_id, ())) for m in self.managers)
 
     def is_running(self, request: Request) -> bool:
-        return request.request_id in self.managers[0].tables
+        return request.request_id in self._running_tables
 
     # --- verbs ----------------------------------------------------------------------------------
 
@@ -89,14 +91,13 @@ class KVCacheManager:
         row for a new request), or None when the pool is short; then nothing changed."""
         if num_new_tokens <= 0:
             raise ValueError(f"request {request.request_id!r}: num_new_tokens {num_new_tokens} must be > 0")
-        running = self.is_running(request)
+        running = request.request_id in self._running_tables
         if running:
             if hit is not None and hit.num_tokens:
                 raise ValueError(f"request {request.request_id!r} is running; a running request takes no hit")
-            hit = Hit(0, tuple([] for _ in self.managers))
             start = request.num_computed_tokens
         else:
-            hit = hit if hit is not None else Hit(0, tuple([] for _ in self.managers))
+            hit = hit if hit is not None else self._no_hit
             start = hit.num_tokens
         total = start + num_new_tokens
         if total > request.num_tokens:
@@ -108,7 +109,7 @@ class KVCacheManager:
                 f"request {request.request_id!r}: {total} tokens exceed max_model_len {self.layout.config.max_model_len}"
             )
         free_before = self.pool.num_free
-        result = self.coordinator.allocate(request, total, hit)
+        result = self.coordinator.allocate(request, total, None if running else hit)
         if result is None:
             if self.pool.num_free != free_before:
                 raise InvariantViolation("INV-ALLOC-ATOMIC", f"request {request.request_id!r}: a failed allocation changed the pool")

@@ -19,7 +19,7 @@ import dataclasses
 
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
-from kvproof.spec.chunk_split import mamba_chunk_end
+from kvproof.impl.chunk_split import chunk_end
 from kvproof.spec.groups import GroupKind, MambaCacheMode
 
 
@@ -84,7 +84,7 @@ class Scheduler:
     def _chunk_end(self, request: Request, start: int, budget: int) -> int:
         if self._mamba_block is None:
             return min(start + budget, request.num_tokens)
-        return mamba_chunk_end(
+        return chunk_end(
             start, budget, request.num_tokens, request.num_prompt_tokens, self._mamba_block,
             self.kv.layout.hash_block_size, self._partial_tail, self._eagle,
         )

@@ -118,6 +118,11 @@ class SingleTypeManager:
     def row_length(self, total_tokens: int) -> int:
         return -(-total_tokens // self.block_size)
 
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens a request may hold before its row exceeds the worker's width."""
+        return (self.max_blocks - self.group.num_speculative_blocks) * self.block_size
+
     def _evictable(self, blocks: list[int]) -> int:
         ref = self.pool.ref_count
         return sum(1 for b in blocks if b != NULL_BLOCK and ref(b) == 0)

@@ -104,6 +104,8 @@ class FullAttentionManager(SingleTypeManager):
         limit = min(num_computed, len(hashes) * h)
         full_done, partial_done = self._keyed[rid]
         full = limit // b
+        if full == full_done and (not self._probe_partial or limit - limit % h <= partial_done):
+            return  # nothing new to key (most decode steps)
         per_block = b // h
         pool, group, keyed = self.pool, self.group_id, self.ledger.keyed
         for j in range(full_done, full):

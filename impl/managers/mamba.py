@@ -37,6 +37,8 @@ class MambaManager(SingleTypeManager):
         self._state_index: dict[str, int] = {}
         # request id -> (cached state block, its copy): key moves once the step has run
         self._pending_move: dict[str, tuple[int, int]] = {}
+        # request id -> index of the state the running step reads, released once it has run
+        self._superseded: dict[str, int] = {}
 
     def row_length(self, total_tokens: int) -> int:
         return -(-total_tokens // self.block_size) + self.group.num_speculative_blocks
@@ -92,6 +94,8 @@ class MambaManager(SingleTypeManager):
                 table.extend([NULL_BLOCK] * (new_index - index - 1))
                 table.extend(self._fresh(1))
                 self._state_index[rid] = new_index
+                if index >= 0:
+                    self._superseded[rid] = index
             return list(table)
         index = self._state_index[rid]
         if new_index > index:
@@ -99,6 +103,7 @@ class MambaManager(SingleTypeManager):
             table.extend([NULL_BLOCK] * (new_index - len(table)))
             table.extend(self._fresh(1))
             self._state_index[rid] = new_index
+            self._superseded[rid] = index
             return table[start:]
         state = table[index]
         if self.pool.key_of(state) is not None:
@@ -121,12 +126,11 @@ class MambaManager(SingleTypeManager):
             pool.move_key(state, copy)
             pool.free([copy])  # the copy is held by the cache only: evictable, hittable
         index = self._state_index[rid]
-        # Release states older than the current one: the step that read them has run.
-        stale = [i for i in range(index) if table[i] != NULL_BLOCK]
-        if stale:
-            pool.free([table[i] for i in reversed(stale)])
-            for i in stale:
-                table[i] = NULL_BLOCK
+        # Release the state the step read, now that the step has run.
+        old = self._superseded.pop(rid, None)
+        if old is not None and table[old] != NULL_BLOCK:
+            pool.free([table[old]])
+            table[old] = NULL_BLOCK
         n, b, h = num_computed, self.block_size, self.hash_block_size
         expected_index = -(-n // b) - 1
         if expected_index != index:
@@ -163,4 +167,5 @@ class MambaManager(SingleTypeManager):
         if moved is not None:
             self.pool.free([moved[1]])
         self._state_index.pop(rid, None)
+        self._superseded.pop(rid, None)
         super().free(request)

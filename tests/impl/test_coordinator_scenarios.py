@@ -20,6 +20,15 @@ def make_kv(groups, dcp=1, hash_block_size=None, num_blocks=64, eagle=False, par
     return KVCacheManager(layout, num_blocks, use_eagle=eagle)
 
 
+def with_row_width(layout, group_index, width):
+    """``layout`` with one group's row sized wrongly (as by vLLM's old DCP-divided rule)."""
+    import dataclasses
+
+    groups = list(layout.groups)
+    groups[group_index] = dataclasses.replace(groups[group_index], max_num_blocks_per_req=width, table_width=width)
+    return dataclasses.replace(layout, groups=tuple(groups))
+
+
 def run_chunks(kv, req, chunks):
     """Schedule ``req`` alone for each chunk size in turn (lookup on its first chunk)."""
     for i, n in enumerate(chunks):
@@ -186,9 +195,8 @@ def test_failed_allocation_changes_nothing():
 
 
 def test_table_width_checked_for_every_group_before_any_write():
-    layout = resolve_layout(LayoutConfig((CacheGroup(FA, 2), CacheGroup(MAMBA, 4)), max_model_len=8))
+    layout = with_row_width(resolve_layout(LayoutConfig((CacheGroup(FA, 2), CacheGroup(MAMBA, 4)), max_model_len=8)), 1, 1)
     kv = KVCacheManager(layout, 64)
-    kv.managers[1].max_blocks = 1  # as if the Mamba row were sized by the old DCP-divided rule
     r = Request("r", list(range(8)), layout.hash_block_size)
     kv.begin_step()
     free = kv.pool.num_free
@@ -256,3 +264,42 @@ def test_bad_input_is_named():
         kv.allocate_slots(r, 0)
     with pytest.raises(ValueError, match="exceed the 3 known tokens"):
         kv.allocate_slots(r, 4)
+
+
+def test_hit_blocks_contract_fires_on_a_short_block_list(monkeypatch):
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
+    run_chunks(kv, req("p", list(range(9)), kv), [8])
+    fa = kv.managers[0]
+    real = fa.find_hit
+    monkeypatch.setattr(fa, "find_hit", lambda request, bound: (lambda h: (h[0], h[1][:-1]))(real(request, bound)))
+    with pytest.raises(InvariantViolation, match="INV-HIT-BLOCKS: request 'r', group 0: hit 8 needs 4 blocks, finder returned 3"):
+        kv.lookup(req("r", list(range(9)), kv))
+
+
+def test_mamba_state_index_contract_fires_on_a_wrong_computed_count():
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
+    r = req("r", list(range(12)), kv)
+    kv.begin_step()
+    kv.allocate_slots(r, 8, kv.lookup(r))
+    kv.take_block_copies()
+    r.num_computed_tokens = 4  # the step computed 8, the caller says 4
+    with pytest.raises(InvariantViolation, match="INV-MAMBA-STATE-INDEX"):
+        kv.cache(r)
+
+
+def test_table_held_contract_fires_when_a_table_block_is_freed_behind_the_manager():
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
+    r = req("r", list(range(12)), kv)
+    run_chunks(kv, r, [8])
+    kv.pool.free([kv.block_table(r)[0][0]])
+    with pytest.raises(InvariantViolation, match="INV-TABLE-HELD"):
+        kv._check()
+
+
+def test_alloc_atomic_contract_fires_when_sizing_undercounts(monkeypatch):
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)], num_blocks=6)
+    monkeypatch.setattr(kv.managers[0], "blocks_needed", lambda *a: 0)
+    r = req("r", list(range(12)), kv)
+    kv.begin_step()
+    with pytest.raises(InvariantViolation, match="INV-ALLOC-ATOMIC"):
+        kv.allocate_slots(r, 12, kv.lookup(r))

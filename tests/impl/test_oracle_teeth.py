@@ -83,14 +83,17 @@ def _write_with(slot):
 
 
 def test_mamba_width_divided_by_dcp_is_rejected():
-    lay = layout(dcp=8)
+    import dataclasses
+
     from kvproof.impl.kv_cache_manager import KVCacheManager
     from kvproof.impl.request import Request
     from kvproof.spec.contracts import InvariantViolation
 
+    lay = layout(dcp=8)
+    old_width = -(-256 // (8 * 8))  # the old rule: cdiv(max_len, bs * dcp) = 4 rows, not 32
+    mamba = dataclasses.replace(lay.groups[1], max_num_blocks_per_req=old_width, table_width=old_width)
+    lay = dataclasses.replace(lay, groups=(lay.groups[0], mamba))
     kv = KVCacheManager(lay, 64)
-    mamba = kv.managers[1]
-    mamba.max_blocks = -(-256 // (8 * 8))  # the old rule: cdiv(max_len, bs * dcp) = 4 rows
     r = Request("long", list(range(200)), lay.hash_block_size)
     kv.begin_step()
     with pytest.raises(InvariantViolation, match="INV-TABLE-WIDTH"):

@@ -85,3 +85,13 @@ def test_contract_fires_on_a_chunk_that_runs_past_a_checkpoint():
 def test_bad_start_is_named():
     with pytest.raises(ValueError, match=r"chunk start 10 must lie in \[0, 10\)"):
         mamba_chunk_end(10, 5, 10, 10, 4, 2, True)
+
+
+@given(split_inputs(), st.integers(0, 3))
+def test_hot_path_rule_matches_the_spec(args, lookahead):
+    from kvproof.impl.chunk_split import chunk_end
+
+    start, budget, num_tokens, num_prompt, bsm, h, partial, eagle = args
+    assert chunk_end(start, budget, num_tokens, num_prompt, bsm, h, partial, eagle, lookahead) == mamba_chunk_end(
+        start, budget, num_tokens, num_prompt, bsm, h, partial, eagle, lookahead
+    )
