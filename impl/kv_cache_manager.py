@@ -77,11 +77,11 @@ class KVCacheManager:
                 "INV-STEP-PROTOCOL", f"begin_step while requests {sorted(self._in_flight)} were allocated but not cached"
             )
         ledger = self.coordinator.ledger
-        if ledger.retained:
-            self.pool.free(ledger.retained)
         if ledger.copies:
             raise InvariantViolation("INV-STEP-PROTOCOL", f"{len(ledger.copies)} block copies were never taken")
-        ledger.__init__()
+        if ledger.retained:
+            self.pool.free(ledger.retained)
+        ledger.reset()
         self._step += 1
 
     def allocate_slots(self, request: Request, num_new_tokens: int, hit: Optional[Hit] = None) -> Optional[tuple[list[int], ...]]:

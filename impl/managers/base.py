@@ -24,6 +24,10 @@ class StepLedger:
     __slots__ = ("copies", "retained", "allocated", "keyed", "_copy_srcs", "_copy_dsts")
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Mutates. Forget the finished step (its copies have been taken and run)."""
         self.copies: list[tuple[int, int, int]] = []  # (group_id, src, dst), in order
         self.retained: list[int] = []  # references to drop once the step has run
         self.allocated: set[int] = set()  # blocks handed out this step (no contents yet)

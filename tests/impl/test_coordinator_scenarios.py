@@ -303,3 +303,24 @@ def test_alloc_atomic_contract_fires_when_sizing_undercounts(monkeypatch):
     kv.begin_step()
     with pytest.raises(InvariantViolation, match="INV-ALLOC-ATOMIC"):
         kv.allocate_slots(r, 12, kv.lookup(r))
+
+
+def test_step_protocol_fires_when_copies_are_never_taken():
+    kv = make_kv([CacheGroup(FA, 4), CacheGroup(MAMBA, 4)], hash_block_size=2)
+    run_chunks(kv, req("p", [1, 2, 3, 4, 5, 6], kv), [6])
+    r = req("r", [1, 2, 3, 4, 5, 6, 7, 8], kv)
+    kv.begin_step()
+    kv.allocate_slots(r, 2, kv.lookup(r))  # a partial hit: copies are queued
+    r.num_computed_tokens = 8
+    kv.cache(r)
+    with pytest.raises(InvariantViolation, match="INV-STEP-PROTOCOL: 2 block copies were never taken"):
+        kv.begin_step()
+
+
+def test_replay_reports_a_run_that_does_not_finish():
+    from kvproof.impl.replay import replay
+    from kvproof.impl.trace import TraceRequest
+
+    layout = resolve_layout(LayoutConfig((CacheGroup(FA, 2), CacheGroup(MAMBA, 4)), max_model_len=64))
+    result = replay([TraceRequest("r", tuple(range(20)), output=(1, 2, 3))], layout, 64, max_num_batched_tokens=4, max_steps=3)
+    assert result.violations == ["INV-REPLAY-PROGRESS: no completion after 3 steps"]
