@@ -151,6 +151,22 @@ class SingleTypeManager:
         if table:
             self.pool.free([b for b in reversed(table) if b != NULL_BLOCK])
 
+    def _grow(self, table: list[int], total_tokens: int) -> list[int]:
+        """Mutates. Append fresh blocks until ``table`` covers ``total_tokens``; returns them."""
+        new = self._fresh(max(self.row_length(total_tokens) - len(table), 0))
+        table.extend(new)
+        return new
+
+    def _key_full_blocks(self, request: Request, table: list[int], first: int, last: int) -> None:
+        """Mutates. Give blocks ``first .. last-1`` of ``table`` their full-block keys (the fine
+        hash at each block's end); null entries are skipped."""
+        b, per_block, gid = self.block_size, self.block_size // self.hash_block_size, self.group_id
+        hashes, cache_full, keyed = request.block_hashes, self.pool.cache_full, self.ledger.keyed
+        for j in range(first, last):
+            blk = table[j]
+            if blk != NULL_BLOCK and cache_full(blk, (hashes[(j + 1) * per_block - 1], gid), (j + 1) * b):
+                keyed.add(blk)
+
     def _fresh(self, n: int) -> list[int]:
         blocks = self.pool.allocate(n)
         if blocks is None:

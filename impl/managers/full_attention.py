@@ -87,12 +87,9 @@ class FullAttentionManager(SingleTypeManager):
                 table[-1] = dst
             self.tables[rid] = table
             self._keyed[rid] = (hit_len // self.block_size, 0)
-            new = self._fresh(max(self.row_length(total_tokens) - len(table), 0))
-            table.extend(new)
+            self._grow(table, total_tokens)
             return list(table)
-        new = self._fresh(max(self.row_length(total_tokens) - len(table), 0))
-        table.extend(new)
-        return new
+        return self._grow(table, total_tokens)
 
     # --- caching --------------------------------------------------------------------------------
 
@@ -106,16 +103,12 @@ class FullAttentionManager(SingleTypeManager):
         full = limit // b
         if full == full_done and (not self._probe_partial or limit - limit % h <= partial_done):
             return  # nothing new to key (most decode steps)
-        per_block = b // h
-        pool, group, keyed = self.pool, self.group_id, self.ledger.keyed
-        for j in range(full_done, full):
-            if pool.cache_full(table[j], (hashes[(j + 1) * per_block - 1], group), (j + 1) * b):
-                keyed.add(table[j])
+        self._key_full_blocks(request, table, full_done, full)
         boundary = limit - limit % h
         if self._probe_partial and boundary % b and boundary > partial_done:
             blk = table[boundary // b]
-            if pool.cache_partial(blk, (hashes[boundary // h - 1], group), boundary):
-                keyed.add(blk)
+            if self.pool.cache_partial(blk, (hashes[boundary // h - 1], self.group_id), boundary):
+                self.ledger.keyed.add(blk)
             partial_done = boundary
         self._keyed[rid] = (max(full, full_done), partial_done)
 

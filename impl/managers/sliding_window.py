@@ -56,22 +56,15 @@ class SlidingWindowManager(SingleTypeManager):
             table = list(hit_blocks)  # the coordinator has touched them
             self.tables[rid] = table
             self._keyed[rid] = hit_len // self.block_size
-            table.extend(self._fresh(max(self.row_length(total_tokens) - len(table), 0)))
+            self._grow(table, total_tokens)
             return list(table)
-        new = self._fresh(max(self.row_length(total_tokens) - len(table), 0))
-        table.extend(new)
-        return new
+        return self._grow(table, total_tokens)
 
     def cache(self, request: Request, num_computed: int) -> None:
         rid = request.request_id
         table = self.tables[rid]
-        b, h = self.block_size, self.hash_block_size
-        hashes = request.block_hashes
-        full = min(num_computed, len(hashes) * h) // b
-        per_block = b // h
-        for j in range(self._keyed[rid], full):
-            if table[j] != NULL_BLOCK and self.pool.cache_full(table[j], (hashes[(j + 1) * per_block - 1], self.group_id), (j + 1) * b):
-                self.ledger.keyed.add(table[j])
+        full = min(num_computed, request.hashed_len) // self.block_size
+        self._key_full_blocks(request, table, self._keyed[rid], full)
         self._keyed[rid] = max(full, self._keyed[rid])
         # Blocks wholly before the next token's window are no longer read.
         out = [j for j in range(self._first_needed(num_computed)) if table[j] != NULL_BLOCK]
