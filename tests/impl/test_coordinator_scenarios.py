@@ -324,3 +324,49 @@ def test_replay_reports_a_run_that_does_not_finish():
     layout = resolve_layout(LayoutConfig((CacheGroup(FA, 2), CacheGroup(MAMBA, 4)), max_model_len=64))
     result = replay([TraceRequest("r", tuple(range(20)), output=(1, 2, 3))], layout, 64, max_num_batched_tokens=4, max_steps=3)
     assert result.violations == ["INV-REPLAY-PROGRESS: no completion after 3 steps"]
+
+
+def test_mamba_partial_hit_inside_a_state_block():
+    """FA2/M4, H 2: a 6-token producer; an 8-token request hits 6 with lists [3, 2]: attention
+    shares three whole blocks, Mamba copies the state at 6 into a new block."""
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
+    producer = req("p", [1, 2, 3, 4, 5, 6], kv)
+    run_chunks(kv, producer, [6])
+    src = kv.block_table(producer)[1][1]
+    hit, blocks, copies = admit(kv, req("r", [1, 2, 3, 4, 5, 6, 7, 8], kv), 2)
+    assert hit.num_tokens == 6 and [len(b) for b in hit.blocks] == [3, 2]
+    assert [(g, s) for g, s, _ in copies] == [(1, src)]
+    assert blocks[1][1] == copies[0][2]  # the request's state block is the copy
+
+
+def test_same_step_hitter_copies_from_the_owners_block_not_from_its_copy():
+    """The owner continues past its cached state at 6 while another request hits 6 in the same
+    step: both copies read the original block at step start; they never chain."""
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+    owner = req("o", prompt, kv)
+    run_chunks(kv, owner, [6])
+    state = kv.block_table(owner)[1][1]
+    kv.begin_step()
+    kv.allocate_slots(owner, 1)
+    hitter = req("h", prompt[:6] + [7, 7], kv)
+    hit = kv.lookup(hitter)
+    assert hit.num_tokens == 6
+    kv.allocate_slots(hitter, 2, hit)
+    copies = kv.take_block_copies()
+    mamba = [(s, d) for g, s, d in copies if g == 1]
+    assert [s for s, _ in mamba] == [state, state]
+    assert not {d for _, d in mamba} & {s for s, _ in mamba}
+
+
+def test_copy_sources_are_held_until_the_next_step_begins():
+    kv = make_kv([CacheGroup(FA, 4), CacheGroup(MAMBA, 4)], hash_block_size=2)
+    producer = req("p", [1, 2, 3, 4, 5, 6], kv)
+    run_chunks(kv, producer, [6])
+    kv.free(producer)
+    _, _, copies = admit(kv, req("r", [1, 2, 3, 4, 5, 6, 7, 8], kv), 2)
+    sources = [s for _, s, _ in copies]
+    assert sources and all(kv.pool.ref_count(s) == 1 for s in sources)  # only the hit's reference
+    kv.begin_step()
+    assert all(kv.pool.ref_count(s) == 0 for s in sources)  # released: evictable, still cached
+    assert all(kv.pool.key_of(s) is not None for s in sources)
