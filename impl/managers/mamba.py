@@ -25,23 +25,20 @@ class MambaManager(SingleTypeManager):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if self.group.num_speculative_blocks:
-            raise ValueError(
-                f"group {self.group_id} ({self.group.label}): num_speculative_blocks "
-                f"{self.group.num_speculative_blocks} is not supported by the scheduler-side manager yet; expected 0"
-            )
         if not self.group.prefix_cacheable:
             # Mode 'none': one state block for the whole request, never keyed.
             self.block_size = 1 << 62
+        self._spec = self.group.num_speculative_blocks
         # request id -> state block index (-1: no state yet)
         self._state_index: dict[str, int] = {}
         # request id -> (cached state block, its copy): key moves once the step has run
         self._pending_move: dict[str, tuple[int, int]] = {}
-        # request id -> index of the state the running step reads, released once it has run
-        self._superseded: dict[str, int] = {}
+        # request id -> row indices of blocks the running step still reads (the old state) or
+        # that fell below the new state (old speculative blocks); released once it has run
+        self._superseded: dict[str, list[int]] = {}
 
     def row_length(self, total_tokens: int) -> int:
-        return -(-total_tokens // self.block_size) + self.group.num_speculative_blocks
+        return -(-total_tokens // self.block_size) + self._spec
 
     # --- lookup ---------------------------------------------------------------------------------
 
@@ -59,19 +56,26 @@ class MambaManager(SingleTypeManager):
 
     # --- allocation -----------------------------------------------------------------------------
 
+    # Row layout between steps: the state block at index i, ``num_speculative_blocks`` scratch
+    # blocks right after it, null everywhere else. Advancing the state to index j > i grows the
+    # row to ``j + Sp + 1`` entries (the worker row is append-only): a scratch block already at j
+    # becomes the new state, positions below j that are new stay null, and the old state plus
+    # the scratch blocks left below j are released after the step (they are read during it).
+
+    def _fresh_needed(self, length: int, new_index: int) -> int:
+        return max(new_index + self._spec + 1 - max(length, new_index), 0)
+
     def blocks_needed(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> int:
         b = self.block_size
         new_index = -(-total_tokens // b) - 1
         rid = request.request_id
-        if rid in self.tables:
-            index = self._state_index[rid]
-            if new_index > index:
-                return 1
-            state = self.tables[rid][index]
-            return 1 if self.pool.key_of(state) is not None else 0
-        index = -(-hit_len // b) - 1
+        table = self.tables.get(rid)
+        if table is not None:
+            if new_index > self._state_index[rid]:
+                return self._fresh_needed(len(table), new_index)
+            return 1 if self.pool.key_of(table[new_index]) is not None else 0
         cow = 1 if hit_len % b else 0
-        return cow + (1 if new_index > index else 0) + self._evictable(hit_blocks)
+        return cow + self._fresh_needed(len(hit_blocks), new_index) + self._evictable(hit_blocks)
 
     def allocate(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> list[int]:
         rid, b = request.request_id, self.block_size
@@ -80,30 +84,21 @@ class MambaManager(SingleTypeManager):
         if table is None:
             table = list(hit_blocks)
             index = len(table) - 1
-            if hit_len:  # the coordinator has touched the hit block
+            if hit_len % b:  # the coordinator has touched the hit block
+                # The next chunk may write this block index in place: work on a copy.
                 src = table[index]
-                if hit_len % b:
-                    # The next chunk may write this block index in place: work on a copy.
-                    dst = self._fresh(1)[0]
-                    self.ledger.add_copy(self.group_id, rid, src, dst)
-                    self.ledger.retained.append(src)
-                    table[index] = dst
+                dst = self._fresh(1)[0]
+                self.ledger.add_copy(self.group_id, rid, src, dst)
+                self.ledger.retained.append(src)
+                table[index] = dst
             self.tables[rid] = table
             self._state_index[rid] = index
-            if new_index > index:
-                table.extend([NULL_BLOCK] * (new_index - index - 1))
-                table.extend(self._fresh(1))
-                self._state_index[rid] = new_index
-                if index >= 0:
-                    self._superseded[rid] = index
+            self._advance(rid, table, index, new_index)
             return list(table)
         index = self._state_index[rid]
         if new_index > index:
             start = len(table)
-            table.extend([NULL_BLOCK] * (new_index - len(table)))
-            table.extend(self._fresh(1))
-            self._state_index[rid] = new_index
-            self._superseded[rid] = index
+            self._advance(rid, table, index, new_index)
             return table[start:]
         state = table[index]
         if self.pool.key_of(state) is not None:
@@ -113,6 +108,18 @@ class MambaManager(SingleTypeManager):
             self.ledger.add_copy(self.group_id, rid, state, copy)
             self._pending_move[rid] = (state, copy)
         return []
+
+    def _advance(self, rid: str, table: list[int], index: int, new_index: int) -> None:
+        """Mutates. Grow the row so the state sits at ``new_index`` with its scratch blocks."""
+        length = len(table)
+        first_real = max(length, new_index)
+        table.extend([NULL_BLOCK] * (first_real - length))
+        table.extend(self._fresh(new_index + self._spec + 1 - first_real))
+        self._state_index[rid] = new_index
+        if new_index > index:
+            below = [i for i in range(max(index, 0), min(new_index, length)) if table[i] != NULL_BLOCK]
+            if below:
+                self._superseded[rid] = below
 
     # --- after the step -------------------------------------------------------------------------
 
@@ -126,11 +133,12 @@ class MambaManager(SingleTypeManager):
             pool.move_key(state, copy)
             pool.free([copy])  # the copy is held by the cache only: evictable, hittable
         index = self._state_index[rid]
-        # Release the state the step read, now that the step has run.
-        old = self._superseded.pop(rid, None)
-        if old is not None and table[old] != NULL_BLOCK:
-            pool.free([table[old]])
-            table[old] = NULL_BLOCK
+        # Release the old state and the scratch blocks below the new state: the step ran.
+        below = self._superseded.pop(rid, None)
+        if below:
+            pool.free([table[i] for i in reversed(below)])
+            for i in below:
+                table[i] = NULL_BLOCK
         n, b, h = num_computed, self.block_size, self.hash_block_size
         expected_index = -(-n // b) - 1
         if expected_index != index:

@@ -32,14 +32,18 @@ class CoordinatorMachine(RuleBasedStateMachine):
         dcp=st.sampled_from([1, 2, 4, 8]),
         fa_block=st.sampled_from([1, 2, 4]),
         mamba_block=st.sampled_from([2, 4, 8]),
+        speculative=st.sampled_from([0, 0, 2]),
         window=st.none() | st.sampled_from([(2, 6), (4, 9)]),
         eagle=st.booleans(),
         partial=st.booleans(),
         num_blocks=st.sampled_from([24, 48, 256]),
         budget=st.sampled_from([4, 16, 64]),
     )
-    def setup(self, dcp, fa_block, mamba_block, window, eagle, partial, num_blocks, budget):
-        groups = [CacheGroup(GroupKind.FULL_ATTENTION, fa_block), CacheGroup(GroupKind.MAMBA, mamba_block)]
+    def setup(self, dcp, fa_block, mamba_block, speculative, window, eagle, partial, num_blocks, budget):
+        groups = [
+            CacheGroup(GroupKind.FULL_ATTENTION, fa_block),
+            CacheGroup(GroupKind.MAMBA, mamba_block, num_speculative_blocks=speculative),
+        ]
         if window is not None:
             groups.append(CacheGroup(GroupKind.SLIDING_WINDOW, window[0], dcp_sharded=False, sliding_window=window[1]))
         self.layout = resolve_layout(

@@ -33,7 +33,7 @@ def run_chunks(kv, req, chunks):
     """Schedule ``req`` alone for each chunk size in turn (lookup on its first chunk)."""
     for i, n in enumerate(chunks):
         kv.begin_step()
-        hit = kv.lookup(req) if i == 0 else None
+        hit = None if kv.is_running(req) else kv.lookup(req)
         assert kv.allocate_slots(req, n, hit) is not None
         copies = kv.take_block_copies()
         req.num_computed_tokens += n
@@ -370,3 +370,21 @@ def test_copy_sources_are_held_until_the_next_step_begins():
     kv.begin_step()
     assert all(kv.pool.ref_count(s) == 0 for s in sources)  # released: evictable, still cached
     assert all(kv.pool.key_of(s) is not None for s in sources)
+
+
+def test_speculative_blocks_follow_the_state():
+    """Mamba 4 with 2 speculative blocks: the row holds the state and two scratch blocks after
+    it; advancing reuses a scratch block as the new state and releases what falls below."""
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4, num_speculative_blocks=2)])
+    r = req("r", list(range(30)), kv)
+    run_chunks(kv, r, [4])
+    row = kv.block_table(r)[1]
+    assert len(row) == 3 and all(row)  # state at index 0, scratch at 1 and 2
+    scratch = row[1]
+    run_chunks(kv, r, [4])
+    row = kv.block_table(r)[1]
+    assert len(row) == 4 and row[0] == 0 and row[1] == scratch and all(row[1:])
+    run_chunks(kv, r, [12])
+    row = kv.block_table(r)[1]
+    assert len(row) == 7 and sum(1 for b in row if b) == 3 and all(row[4:])
+    kv.check_request(r)

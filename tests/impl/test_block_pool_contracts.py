@@ -1,0 +1,191 @@
+"""Each block-pool contract can fire, and its violation names its invariant id.
+
+Three ways to make a contract fire:
+* bad input: the cheap tier (plain code, always on) raises ValueError starting with the id;
+* corrupted state: ``_check()`` (slow tier) raises InvariantViolation with the id;
+* seeded bugs: impl/block_pool.py is loaded afresh with one line mutated and the slow tier
+  forced on, and the icontract postcondition carrying the id must catch the bug. The mutated
+  line must exist, so a refactor that removes it makes the test fail instead of passing vacuously.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import pathlib
+import tempfile
+
+import icontract
+import pytest
+
+import kvproof.impl.block_pool as block_pool_module
+from kvproof.spec import contracts
+from kvproof.spec.contracts import InvariantViolation
+
+SOURCE = pathlib.Path(block_pool_module.__file__).read_text()
+_fresh = itertools.count()
+_MUTANT_DIR = pathlib.Path(tempfile.mkdtemp(prefix="kvproof-mutants-"))
+
+
+def pool_module(monkeypatch, mutate: tuple[str, str] | None = None):
+    """impl/block_pool.py loaded under a new name with ``contracts.SLOW`` on, optionally with one
+    source fragment replaced (it must occur exactly once)."""
+    source = SOURCE
+    if mutate is not None:
+        old, new = mutate
+        assert source.count(old) == 1, f"mutation target not found exactly once: {old!r}"
+        source = source.replace(old, new)
+    monkeypatch.setattr(contracts, "SLOW", True)
+    name = f"kvproof_block_pool_mutant_{next(_fresh)}"
+    # A real file, because icontract reads the conditions' source to word its violations.
+    path = _MUTANT_DIR / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def violation(exc_info) -> str:
+    return str(exc_info.value)
+
+
+# --- seeded bugs caught by the icontract (slow-tier) postconditions -------------------------------
+
+SEEDED_BUGS = {
+    "INV-POOL-ATOMIC": (
+        ("        if n > self._num_free:\n            return None", "        if n > self._num_free:\n            self.allocate(1)\n            return None"),
+        lambda pool: (pool.allocate(1), pool.allocate(5)),
+    ),
+    "INV-POOL-ALLOC-FRESH": (
+        ("            if key[b] is not None:\n                self._drop_key(b)\n", ""),
+        lambda pool: (pool.allocate(1), pool.cache_full(1, ("k", 0), 2), pool.free([1]), pool.allocate(3)),
+    ),
+    "INV-POOL-REF-NONNEG: touch adds one reference": (
+        ("            ref[b] += 1\n", "            ref[b] += 2\n"),
+        lambda pool: (pool.allocate(1), pool.touch([1])),
+    ),
+    "INV-POOL-REF-NONNEG: free drops one reference": (
+        ("            r = ref[b] - 1\n", "            r = ref[b] - 1 if ref[b] > 1 else 1\n"),
+        lambda pool: (pool.allocate(1), pool.free([1])),
+    ),
+    "INV-POOL-NO-STALE-PARTIAL: cache_partial refuses exactly": (
+        ("            if not replace and self._ntok[block] >= num_tokens:\n                return None\n", ""),
+        lambda pool: (pool.allocate(1), pool.cache_full(1, ("k12", 0), 12), pool.cache_partial(1, ("k10", 0), 10)),
+    ),
+    "INV-POOL-NO-STALE-PARTIAL: after cache_full": (
+        ("        self._attach(block, key, num_tokens, holders)\n        return True\n\n    @icontract.snapshot", "        self._attach(block, key, num_tokens + 1, holders)\n        return True\n\n    @icontract.snapshot"),
+        lambda pool: (pool.allocate(1), pool.cache_full(1, ("k", 0), 4)),
+    ),
+    "INV-POOL-KEY-CONSISTENT: evicted blocks have no key": (
+        ("            if self._key[b] is not None:\n                self._drop_key(b)\n                dropped += 1\n", "            pass\n"),
+        lambda pool: (pool.allocate(1), pool.cache_full(1, ("k", 0), 2), pool.evict([1])),
+    ),
+    "INV-POOL-RESET-IDLE": (
+        ("        if self._num_free != self._num_blocks - 1:\n            return False\n", ""),
+        lambda pool: (pool.allocate(1), pool.reset()),
+    ),
+    "INV-POOL-KEY-CONSISTENT: a successful reset drops every key": (
+        ("        self._holders.clear()\n", ""),
+        lambda pool: (pool.allocate(1), pool.cache_full(1, ("k", 0), 2), pool.free([1]), pool.reset()),
+    ),
+    "INV-POOL-KEY-CONSISTENT: the key moved": (
+        ("        self._key[src], self._ntok[src] = None, 0\n", ""),
+        lambda pool: (pool.allocate(2), pool.cache_full(1, ("k", 0), 2), pool.move_key(1, 2)),
+    ),
+}
+
+
+@pytest.mark.parametrize("label", sorted(SEEDED_BUGS))
+def test_seeded_bug_is_caught_by_its_contract(monkeypatch, label):
+    """The label is the contract expected to fire; where the whole-pool check (run by the same
+    call's postconditions) sees the damage first, it must report the same invariant id."""
+    mutation, drive = SEEDED_BUGS[label]
+    pool = pool_module(monkeypatch, mutation).BlockPool(4)
+    with pytest.raises((icontract.ViolationError, InvariantViolation)) as exc_info:
+        drive(pool)
+    assert label.split(":")[0] in violation(exc_info), violation(exc_info)
+
+
+def test_unmutated_module_passes_the_same_drives(monkeypatch):
+    """Control: the drives above are legal sequences, so only the seeded bug can make them fail."""
+    for _, drive in SEEDED_BUGS.values():
+        drive(pool_module(monkeypatch).BlockPool(4))
+
+
+def test_slow_tier_whole_pool_check_runs_after_each_verb(monkeypatch):
+    """With SLOW on, a corruption is caught by the next verb's whole-pool postcondition."""
+    pool = pool_module(monkeypatch).BlockPool(4)
+    pool.allocate(1)
+    pool._ref[3] = 1  # block 3 is referenced but still in the free queue
+    with pytest.raises(InvariantViolation, match=r"INV-POOL-FREE-IFF-UNREF: block 3 has ref count 1 but in free queue: True"):
+        pool.allocate(1)
+
+
+# --- corrupted state caught by _check() (slow tier) -----------------------------------------------
+
+
+def corrupted(corrupt):
+    pool = block_pool_module.BlockPool(5)
+    pool.allocate(3)
+    pool.cache_full(1, ("k", 0), 4)
+    pool.cache_partial(2, ("p", 0), 2)
+    assert pool._check()
+    corrupt(pool)
+    return pool
+
+
+def _share_a_block_between_two_keys(pool):
+    pool._holders[("p", 0)].append(1)
+
+
+CORRUPTIONS = {
+    "INV-POOL-CONSERVE": lambda pool: pool._ref.append(0),
+    "INV-POOL-NULL": lambda pool: pool._ref.__setitem__(0, 1),
+    "INV-POOL-REF-NONNEG": lambda pool: pool._ref.__setitem__(3, -1),
+    "INV-POOL-FREE-IFF-UNREF": lambda pool: pool._ref.__setitem__(3, 0),
+    "INV-POOL-FREE-IFF-UNREF (queue links)": lambda pool: pool._next.__setitem__(pool._head, 2),
+    "INV-POOL-CONSERVE (free counter)": lambda pool: setattr(pool, "_num_free", 2),
+    "INV-POOL-KEY-CONSISTENT": lambda pool: pool._ntok.__setitem__(3, 7),
+    "INV-POOL-KEY-LENGTH": lambda pool: (pool._holders[("k", 0)].append(3), pool._key.__setitem__(3, ("k", 0)), pool._ntok.__setitem__(3, 6)),
+    "INV-POOL-NO-STALE-PARTIAL": _share_a_block_between_two_keys,
+}
+
+
+@pytest.mark.parametrize("label", sorted(CORRUPTIONS))
+def test_check_names_the_broken_invariant(label):
+    pool = corrupted(CORRUPTIONS[label])
+    with pytest.raises(InvariantViolation) as exc_info:
+        pool._check()
+    assert exc_info.value.inv_id == label.split(" ")[0], violation(exc_info)
+
+
+def test_allocate_catches_a_referenced_block_in_the_free_queue_cheaply():
+    """Cheap tier, always on: popping a block whose ref count is not 0 is an InvariantViolation."""
+    pool = block_pool_module.BlockPool(3)
+    pool._ref[1] = 2
+    with pytest.raises(InvariantViolation, match=r"INV-POOL-FREE-IFF-UNREF: block 1 popped from the free queue has ref count 2"):
+        pool.allocate(1)
+
+
+# --- bad input caught by the cheap tier (always on) ------------------------------------------------
+
+BAD_INPUT = {
+    "INV-POOL-NULL": lambda pool: pool.cache_partial(0, ("k", 0), 2),
+    "INV-POOL-REF-NONNEG": lambda pool: pool.free([3]),
+    "INV-POOL-FREE-IFF-UNREF": lambda pool: pool.touch([3]),
+    "INV-POOL-HELD-TO-CACHE": lambda pool: pool.cache_full(3, ("k", 0), 2),
+    "INV-POOL-KEY-LENGTH": lambda pool: pool.cache_full(2, ("k", 0), 8),
+    "INV-POOL-NO-STALE-PARTIAL": lambda pool: pool.cache_full(1, ("short", 0), 2),
+}
+
+
+@pytest.mark.parametrize("inv_id", sorted(BAD_INPUT))
+def test_bad_input_names_the_invariant_and_changes_nothing(inv_id):
+    pool = block_pool_module.BlockPool(4)
+    pool.allocate(2)
+    pool.cache_full(1, ("k", 0), 4)
+    before = (list(pool._ref), list(pool._key), list(pool._ntok), pool.free_order())
+    with pytest.raises(ValueError, match=rf"^{inv_id}: "):
+        BAD_INPUT[inv_id](pool)
+    assert (list(pool._ref), list(pool._key), list(pool._ntok), pool.free_order()) == before

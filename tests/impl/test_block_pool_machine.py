@@ -1,0 +1,370 @@
+"""Differential state machine: impl.block_pool.BlockPool against spec.block_pool, plus a content oracle.
+
+Every rule runs the same call on the implementation and on the pure spec model and compares the
+outcome (result or ValueError); the invariants compare every observable after every step.
+
+The content oracle models what each block really holds: when a cache call attaches key
+``K(N, g)`` of prefix ``p`` to block b, the "caller" has just written ``p[:N]`` of group g into b.
+Every holder of every key must hold exactly the prefix the key names (salt, tokens, group), so a
+stale key (vLLM 0.33's alias after promotion), a key surviving reallocation, or two cache salts
+sharing a block all show up as a content mismatch.
+
+Inputs are valid by construction where that matters (boundaries are multiples of H within the
+prefix); blocks come from a Bundle and may be stale, in which case both sides must reject.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import NamedTuple, Optional
+
+import hypothesis.strategies as st
+from hypothesis import event, settings
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, multiple, precondition, rule
+
+from kvproof.impl.block_pool import BlockPool
+from kvproof.impl.hashing import key_at, request_block_hashes
+from kvproof.spec import block_pool as spec
+
+H = 2  # hash-block size: small so prefixes share and diverge often
+GROUPS = (0, 1)
+SALTS = (None, "tenant-a", "tenant-b")
+
+
+class Prefix(NamedTuple):
+    salt: Optional[str]
+    tokens: tuple[int, ...]
+    hashes: tuple[bytes, ...]
+
+
+def _prefix(salt: Optional[str], tokens: tuple[int, ...]) -> Prefix:
+    return Prefix(salt, tokens, tuple(request_block_hashes(list(tokens), H, cache_salt=salt)))
+
+
+def _outcome(call):
+    """('ok', result) or ('ValueError', None): failed calls are compared by exception type."""
+    try:
+        return "ok", call()
+    except ValueError:
+        return "ValueError", None
+
+
+tokens_strategy = st.lists(st.integers(0, 2), min_size=H, max_size=4 * H).map(lambda t: tuple(t[: len(t) - len(t) % H]))
+
+
+class CacheKey(NamedTuple):
+    key: tuple[bytes, int]
+    num_tokens: int
+    names: tuple  # (salt, tokens, group): the content a block holding this key must have
+
+
+class Request:
+    """A running request of the minimal manager: its prefix, group, block size and blocks."""
+
+    def __init__(self, prefix: Prefix, group: int, block_tokens: int, blocks: list[int]) -> None:
+        self.prefix, self.group, self.block_tokens, self.blocks = prefix, group, block_tokens, blocks
+
+
+class PoolMachine(RuleBasedStateMachine):
+    prefixes = Bundle("prefixes")
+    keys = Bundle("keys")
+    blocks = Bundle("blocks")
+
+    @initialize(num_blocks=st.integers(2, 8))
+    def start(self, num_blocks):
+        self.pool = BlockPool(num_blocks)
+        self.model = spec.initial(num_blocks)
+        self.held: list[int] = []  # the references the test (as caller) holds, one entry each
+        self.content: dict[int, Optional[tuple]] = {}  # block -> (salt, tokens, group) it holds
+        self.keys_seen: dict[tuple, tuple] = {}  # key -> the content it names
+        self.requests: list[Request] = []
+
+    # --- prefixes ------------------------------------------------------------------------------
+
+    @initialize(target=prefixes, tokens=tokens_strategy, more=tokens_strategy, salt=st.sampled_from(SALTS[1:]))
+    def seed_prefixes(self, tokens, more, salt):
+        """Prefixes that share a chain (a base and its extension) and the same tokens under a salt."""
+        return multiple(_prefix(None, tokens), _prefix(None, tokens + more), _prefix(salt, tokens))
+
+    @rule(target=prefixes, salt=st.sampled_from(SALTS), tokens=tokens_strategy)
+    def new_prefix(self, salt, tokens):
+        return _prefix(salt, tokens)
+
+    @rule(target=prefixes, base=prefixes, more=tokens_strategy)
+    def extend_prefix(self, base, more):
+        return _prefix(base.salt, (base.tokens + more)[: 6 * H])
+
+    @rule(target=keys, prefix=prefixes, k=st.integers(0, 7), group=st.sampled_from(GROUPS))
+    def new_key(self, prefix, k, group):
+        """A key K(N, g) of the prefix, N a multiple of H within it (valid by construction)."""
+        n = H * (1 + k % len(prefix.hashes))
+        key = key_at(prefix.hashes, n, H, group)
+        named = (prefix.salt, prefix.tokens[:n], group)
+        self.keys_seen[key] = named
+        return CacheKey(key, n, named)
+
+    # --- verbs ---------------------------------------------------------------------------------
+
+    @rule(target=blocks, n=st.integers(0, 4))
+    def allocate(self, n):
+        got = self.pool.allocate(n)
+        expected = spec.allocate(self.model, n)
+        if expected is None:
+            assert got is None
+            return multiple()
+        self.model, taken = expected
+        assert tuple(got) == taken, "allocate order differs from the spec"
+        for b in got:
+            self.held.append(b)
+            self.content[b] = None  # fresh block: garbage until written
+        return multiple(*got)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def free_held(self, data):
+        picks = data.draw(st.lists(st.integers(0, len(self.held) - 1), unique=True, min_size=1, max_size=4))
+        chosen = [self.held[i] for i in picks]
+        self.pool.free(chosen)
+        self.model = spec.free(self.model, chosen)
+        for i in sorted(picks, reverse=True):
+            del self.held[i]
+
+    @rule(block=st.one_of(blocks, st.integers(-1, 9)))
+    def free_any(self, block):
+        got = _outcome(lambda: self.pool.free([block]))
+        expected = _outcome(lambda: spec.free(self.model, [block]))
+        assert got[0] == expected[0], (got, expected)
+        if expected[0] == "ok":
+            self.model = expected[1]
+            if block != spec.NULL_BLOCK:
+                self._forget_reference(block)
+
+    @rule(ck=keys)
+    def hit_and_touch(self, ck):
+        found = self.pool.lookup(ck.key)
+        assert found == spec.lookup(self.model, ck.key)
+        event("lookup hit" if found is not None else "lookup miss")
+        if found is None:
+            return
+        assert self.content.get(found) == ck.names, f"cache hit on block {found} returns the wrong content"
+        self.pool.touch([found])
+        self.model = spec.touch(self.model, [found])
+        self.held.append(found)
+
+    @rule(touched=st.lists(st.one_of(blocks, st.integers(-1, 9)), max_size=3))
+    def touch_any(self, touched):
+        got = _outcome(lambda: self.pool.touch(touched))
+        expected = _outcome(lambda: spec.touch(self.model, touched))
+        assert got[0] == expected[0], (touched, got, expected)
+        if expected[0] == "ok":
+            self.model = expected[1]
+            self.held.extend(b for b in touched if b != spec.NULL_BLOCK)
+
+    def _cache(self, block, ck, kind):
+        key, n = ck.key, ck.num_tokens
+        if kind == "full":
+            got = _outcome(lambda: self.pool.cache_full(block, key, n))
+            expected = _outcome(lambda: spec.cache_full(self.model, block, key, n))
+        else:
+            replace = kind == "replace"
+            got = _outcome(lambda: self.pool.cache_partial(block, key, n, replace=replace))
+            expected = _outcome(lambda: spec.cache_partial(self.model, block, key, n, replace))
+        if expected[0] == "ok":
+            self.model, result = expected[1]
+            expected = ("ok", result)
+            if result:  # newly attached: the caller wrote this prefix into the block
+                self.content[block] = ck.names
+        event(f"cache {kind}: {expected[0] if expected[0] != 'ok' else expected[1]}")
+        assert got == expected, (kind, block, n, got, expected)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), ck=keys, kind=st.sampled_from(["full", "partial", "replace"]))
+    def cache_held(self, data, ck, kind):
+        self._cache(data.draw(st.sampled_from(self.held)), ck, kind)
+
+    @rule(block=st.one_of(blocks, st.integers(-1, 9)), ck=keys, kind=st.sampled_from(["full", "partial", "replace"]))
+    def cache_any(self, block, ck, kind):
+        self._cache(block, ck, kind)
+
+    @rule(evicted=st.lists(st.one_of(blocks, st.integers(-1, 9)), max_size=3))
+    def evict(self, evicted):
+        got = _outcome(lambda: self.pool.evict(evicted))
+        expected = _outcome(lambda: spec.evict(self.model, evicted))
+        assert got[0] == expected[0], (evicted, got, expected)
+        if expected[0] == "ok":
+            self.model = expected[1]
+
+    @rule(src=blocks, dst=blocks)
+    def move_key(self, src, dst):
+        got = _outcome(lambda: self.pool.move_key(src, dst))
+        expected = _outcome(lambda: spec.move_key(self.model, src, dst))
+        assert got[0] == expected[0], (src, dst, got, expected)
+        if expected[0] == "ok":
+            self.model = expected[1]
+            self.content[dst], self.content[src] = self.content.get(src), None  # src keeps being written
+
+    @precondition(lambda self: self.held or self.requests)
+    @rule()
+    def free_everything(self):
+        everything = list(reversed(self.held)) + [b for r in self.requests for b in reversed(r.blocks)]
+        self.pool.free(everything)
+        self.model = spec.free(self.model, everything)
+        self.held.clear()
+        self.requests.clear()
+
+    @rule()
+    def reset(self):
+        got = self.pool.reset()
+        self.model, expected = spec.reset(self.model)
+        assert got == expected
+
+    # --- request-shaped sequences (a minimal manager: hits, prefill, growth, promotion) ----------
+
+    def _lookup(self, key):
+        found = self.pool.lookup(key)
+        assert found == spec.lookup(self.model, key), key
+        return found
+
+    def _cache_both(self, block, key, n, full):
+        if full:
+            got = self.pool.cache_full(block, key, n)
+            self.model, expected = spec.cache_full(self.model, block, key, n)
+        else:
+            got = self.pool.cache_partial(block, key, n)
+            self.model, expected = spec.cache_partial(self.model, block, key, n)
+        assert got == expected, (block, n, full, got, expected)
+        return got
+
+    def _fill(self, req: "Request", start_block: int, old_tokens: int) -> None:
+        """Cache the keys of blocks [start_block, ...) after the request's tokens grew from old_tokens."""
+        p, g, bs = req.prefix, req.group, req.block_tokens
+        n_tok = len(p.tokens)
+        for j in range(start_block, len(req.blocks)):
+            end = min((j + 1) * bs, n_tok)
+            if end <= max(old_tokens, j * bs):
+                continue
+            key = key_at(p.hashes, end, H, g)
+            named = (p.salt, p.tokens[:end], g)
+            self.keys_seen[key] = named
+            if self._cache_both(req.blocks[j], key, end, full=end == (j + 1) * bs):
+                self.content[req.blocks[j]] = named
+
+    def _forget_reference(self, block: int) -> None:
+        """A reference was dropped outside a request's lifecycle: take it from the loose holdings,
+        else retire the request that owned it (its remaining blocks become loose references)."""
+        if block in self.held:
+            self.held.remove(block)
+            return
+        req = next(r for r in self.requests if block in r.blocks)
+        self.requests.remove(req)
+        req.blocks.remove(block)
+        self.held.extend(req.blocks)
+
+    @rule(prefix=prefixes, group=st.sampled_from(GROUPS), block_tokens=st.sampled_from([H, 2 * H]))
+    def prefill(self, prefix, group, block_tokens):
+        """Admit a request: touch its longest chain of full-block hits, allocate the rest, cache."""
+        n_tok, bs = len(prefix.tokens), block_tokens
+        hits = []
+        for j in range(n_tok // bs):
+            b = self._lookup(key_at(prefix.hashes, (j + 1) * bs, H, group))
+            if b is None:
+                break
+            assert self.content.get(b) == (prefix.salt, prefix.tokens[: (j + 1) * bs], group), f"hit block {b} holds the wrong prefix"
+            hits.append(b)
+        event(f"prefill hits {len(hits)} blocks")
+        self.pool.touch(hits)
+        self.model = spec.touch(self.model, hits)
+        need = -(-n_tok // bs) - len(hits)
+        got = self.pool.allocate(need)
+        expected = spec.allocate(self.model, need)
+        if expected is None:
+            assert got is None
+            self.pool.free(hits[::-1])
+            self.model = spec.free(self.model, hits[::-1])
+            return
+        self.model, taken = expected
+        assert tuple(got) == taken
+        for b in got:
+            self.content[b] = None
+        req = Request(prefix, group, bs, hits + got)
+        self._fill(req, len(hits), len(hits) * bs)
+        self.requests.append(req)
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data(), more=tokens_strategy)
+    def grow(self, data, more):
+        """Append tokens to a running request: the tail entry grows forward or is promoted to a
+        full key, new blocks are allocated, and the retired boundary, offered again as vLLM 0.33
+        does every step, is refused."""
+        req = data.draw(st.sampled_from(self.requests))
+        old_tokens, bs = len(req.prefix.tokens), req.block_tokens
+        tokens = (req.prefix.tokens + more)[: 8 * H]
+        if len(tokens) == old_tokens:
+            return
+        need = -(-len(tokens) // bs) - len(req.blocks)
+        got = self.pool.allocate(need)
+        expected = spec.allocate(self.model, need)
+        if expected is None:
+            assert got is None
+            return
+        self.model, taken = expected
+        assert tuple(got) == taken
+        for b in got:
+            self.content[b] = None
+        old_prefix = req.prefix
+        req.prefix = _prefix(old_prefix.salt, tokens)
+        assert req.prefix.hashes[: len(old_prefix.hashes)] == old_prefix.hashes, "hashes must extend"
+        req.blocks.extend(got)
+        tail = old_tokens // bs
+        self._fill(req, tail, old_tokens)
+        if old_tokens % bs:  # the old tail boundary, offered again: must be refused
+            again = self._cache_both(req.blocks[tail], key_at(old_prefix.hashes, old_tokens, H, req.group), old_tokens, full=False)
+            assert again is None, "a boundary the block has outgrown must be refused"
+            event("stale boundary refused")
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def finish(self, data):
+        req = self.requests.pop(data.draw(st.integers(0, len(self.requests) - 1)))
+        self.pool.free(req.blocks[::-1])
+        self.model = spec.free(self.model, req.blocks[::-1])
+
+    # --- invariants ----------------------------------------------------------------------------
+
+    @invariant()
+    def pool_is_well_formed(self):
+        """INV-POOL-CONSERVE, INV-POOL-NULL, INV-POOL-REF-NONNEG, INV-POOL-FREE-IFF-UNREF,
+        INV-POOL-KEY-CONSISTENT, INV-POOL-KEY-LENGTH, INV-POOL-NO-STALE-PARTIAL."""
+        assert self.pool._check()
+        assert spec.well_formed(self.model)
+
+    @invariant()
+    def observables_match_spec(self):
+        pool, model = self.pool, self.model
+        for b in range(pool.num_blocks):
+            assert (pool.ref_count(b), pool.key_of(b), pool.num_tokens_of(b)) == (model.ref[b], model.key[b], model.ntok[b]), b
+        assert pool.free_order() == model.free
+        assert pool.num_free == spec.num_free(model)
+        assert pool.num_cached_keys() == len({k for k in model.key if k is not None})
+        for key in self.keys_seen:
+            assert pool.holders(key) == spec.holders(model, key), key
+            assert pool.lookup(key) == spec.lookup(model, key), key
+
+    @invariant()
+    def references_match_holdings(self):
+        """INV-POOL-REF-NONNEG seen from the caller: ref counts are exactly the references held."""
+        held = Counter(self.held) + Counter(b for r in self.requests for b in r.blocks)
+        for b in range(1, self.pool.num_blocks):
+            assert self.pool.ref_count(b) == held[b], b
+
+    @invariant()
+    def every_key_names_its_content(self):
+        """Content oracle (INV-POOL-HIT-CONTENT): every holder of a key holds exactly the prefix the
+        key names, salt and group included; hence no stale key and no cross-salt sharing."""
+        for key, named in self.keys_seen.items():
+            for b in self.pool.holders(key):
+                assert self.content.get(b) == named, f"block {b} holds {self.content.get(b)} but key names {named}"
+
+
+PoolMachine.TestCase.settings = settings(max_examples=250, stateful_step_count=50, deadline=None)
+test_block_pool_matches_spec = PoolMachine.TestCase
