@@ -1,0 +1,70 @@
+"""``kvproof prove``: discharge every proof obligation and print the verdicts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvproof.cli.errors import EXIT_OK, EXIT_PROPERTY_FAILED, fail_bad_input
+
+HELP = "discharge the proof obligations (z3, CrossHair, exhaustive) and the canaries"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from kvproof.proofs.runner import DEFAULT_BUDGET
+
+    p = subparsers.add_parser("prove", help=HELP, description=HELP)
+    p.add_argument("--json", action="store_true", help="print a JSON list of {id, method, verdict, seconds, ...}")
+    p.add_argument(
+        "--budget", type=float, default=DEFAULT_BUDGET, metavar="SECONDS",
+        help=f"total time for all obligations (default {DEFAULT_BUDGET:.0f})",
+    )
+    p.add_argument(
+        "--only", action="append", default=[], metavar="ID",
+        help="run only obligations whose id starts with ID (repeatable)",
+    )
+    p.set_defaults(run=run)
+
+
+def format_results(results) -> str:
+    rows = [["obligation", "method", "verdict", "time"]] + [
+        [r.obligation.id, r.obligation.method, r.outcome.verdict + (" (FAILED)" if r.failed else ""),
+         f"{r.seconds:.2f}s"]
+        for r in results
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(c.rjust(w) if i == 3 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+             for row in rows]
+    refuted = [r for r in results if r.outcome.counterexample]
+    if refuted:
+        lines.append("")
+        lines += [f"counterexample {r.obligation.id}: {r.outcome.counterexample}" for r in refuted]
+    broken = [r for r in results if r.failed and not r.outcome.counterexample]
+    lines += [f"{r.obligation.id}: {r.outcome.verdict}: {r.outcome.detail}" for r in broken]
+    failed = sum(r.failed for r in results)
+    lines.append("")
+    lines.append(f"{len(results)} obligations, {failed} failed" if failed else f"{len(results)} obligations, all as expected")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvproof.proofs.runner import run_all, select
+
+    if not args.budget > 0:
+        return fail_bad_input("kvproof prove", f"--budget {args.budget} must be a positive number of seconds")
+    try:
+        obligations = select(args.only)
+    except ValueError as e:
+        return fail_bad_input("kvproof prove", str(e))
+
+    def progress(i, result):  # stderr, so that stdout stays a clean table / JSON
+        print(f"kvproof prove: [{i + 1}/{len(obligations)}] {result.obligation.id} {result.outcome.verdict} "
+              f"({result.seconds:.1f}s)", file=sys.stderr, flush=True)
+
+    results = run_all(obligations, args.budget, progress)
+    if args.json:
+        print(json.dumps([r.to_json() for r in results], indent=2))
+    else:
+        print(format_results(results))
+    return EXIT_PROPERTY_FAILED if any(r.failed for r in results) else EXIT_OK
