@@ -36,13 +36,17 @@ def _check_dcp(dcp: int) -> None:
 
 
 @icontract.require(lambda dcp: dcp >= 1, error=lambda dcp: ValueError(f"dcp {dcp} must be >= 1"))
+@icontract.require(
+    lambda group: group.kind is not GroupKind.MAMBA or not group.is_sharded,
+    "INV-GEOM-MAMBA-REPLICATED: Mamba state is replicated, so a Mamba block covers block_size "
+    "tokens whatever the DCP size",
+    error=lambda group: ValueError(
+        f"INV-GEOM-MAMBA-REPLICATED: {group.label} is marked DCP-sharded; Mamba state is replicated on every rank"
+    ),
+)
 @icontract.ensure(
     lambda group, dcp, result: result == group.block_size * (dcp if group.is_sharded else 1),
     "INV-GEOM-EFFECTIVE-BLOCK: B_g = block_size * dcp for sharded groups, block_size otherwise",
-)
-@icontract.ensure(
-    lambda group, result: group.kind is not GroupKind.MAMBA or result == group.block_size,
-    "INV-GEOM-MAMBA-REPLICATED: a Mamba block covers block_size tokens whatever the DCP size",
 )
 def effective_block_size(group: CacheGroup, dcp: int) -> int:
     """Global token positions covered by one block id of ``group`` (B_g)."""
@@ -248,8 +252,12 @@ def max_num_blocks_per_req(group: CacheGroup, dcp: int, max_len: int) -> int:
     return cdiv(max_len, effective_block_size(group, dcp))
 
 
-@icontract.require(lambda num_blocks: num_blocks >= 0)
-@icontract.require(lambda block_size: block_size > 0)
+@icontract.require(lambda num_blocks: num_blocks >= 0, error=lambda num_blocks: ValueError(f"num_blocks {num_blocks} must be >= 0"))
+@icontract.require(lambda block_size: block_size > 0, error=lambda block_size: ValueError(f"block_size {block_size} must be > 0"))
+@icontract.require(
+    lambda token_alignment: token_alignment is None or token_alignment > 0,
+    error=lambda token_alignment: ValueError(f"token_alignment {token_alignment} must be None or > 0"),
+)
 @icontract.ensure(
     lambda num_blocks, block_size, token_alignment, result: num_blocks <= result
     and (token_alignment is None or result < num_blocks + token_alignment // math.gcd(token_alignment, block_size)),

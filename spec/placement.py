@@ -68,6 +68,11 @@ def local_seq_len(num_tokens: int, rank: int, dcp: int, interleave: int) -> int:
     return full_rounds * interleave + min(max(rest - rank * interleave, 0), interleave)
 
 
+@icontract.require(lambda num_tokens: num_tokens >= 0, error=lambda num_tokens: ValueError(f"num_tokens {num_tokens} must be >= 0"))
+@icontract.require(
+    lambda dcp, interleave: _valid_dcp(dcp, interleave),
+    error=lambda dcp, interleave: ValueError(f"dcp {dcp} and interleave {interleave} must both be >= 1"),
+)
 @icontract.ensure(
     lambda num_tokens, result: sum(result) == num_tokens,
     "INV-DCP-LOCAL-LEN-SUM: the ranks' local lengths add up to the sequence length",
@@ -82,8 +87,9 @@ def local_seq_lens(num_tokens: int, dcp: int, interleave: int) -> tuple[int, ...
     return tuple(local_seq_len(num_tokens, r, dcp, interleave) for r in range(dcp))
 
 
-@icontract.require(lambda position: position >= 0)
-@icontract.require(lambda block_size: block_size >= 1)
+@icontract.require(lambda position: position >= 0, error=lambda position: ValueError(f"position {position} must be >= 0"))
+@icontract.require(lambda block_size: block_size >= 1, error=lambda block_size: ValueError(f"block_size {block_size} must be >= 1"))
+@icontract.require(lambda dcp: dcp >= 1, error=lambda dcp: ValueError(f"dcp {dcp} must be >= 1"))
 @icontract.ensure(
     lambda position, block_size, dcp, sharded, result: result
     == (position // (block_size * dcp) if sharded else position // block_size),
@@ -124,6 +130,16 @@ def slot_for_position(
     return row[index] * block_size + local % block_size
 
 
+@icontract.require(
+    lambda block_size, dcp, interleave: block_size >= 1 and _valid_dcp(dcp, interleave),
+    error=lambda block_size, dcp, interleave: ValueError(
+        f"block_size {block_size}, dcp {dcp} and interleave {interleave} must all be >= 1"
+    ),
+)
+@icontract.require(
+    lambda positions: len(set(positions)) == len(positions),
+    error=lambda positions: ValueError("positions must be distinct"),
+)
 @icontract.ensure(
     lambda result: len({s for s in result if s != PAD_SLOT}) == sum(1 for s in result if s != PAD_SLOT),
     "INV-DCP-SLOT-DISTINCT: one rank never maps two positions to the same slot",
@@ -143,6 +159,13 @@ def slot_mapping(
     return tuple(slot_for_position(p, row, block_size, dcp, interleave, rank, sharded) for p in positions)
 
 
+@icontract.require(lambda position: position >= 0, error=lambda position: ValueError(f"position {position} must be >= 0"))
+@icontract.require(
+    lambda block_size, dcp, interleave: block_size >= 1 and _valid_dcp(dcp, interleave) and block_size % interleave == 0,
+    error=lambda block_size, dcp, interleave: ValueError(
+        f"block_size {block_size}, dcp {dcp} and interleave {interleave} must be >= 1, interleave dividing block_size"
+    ),
+)
 @icontract.ensure(
     lambda dcp, sharded, result: len(result) == (1 if sharded and dcp > 1 else dcp),
     "INV-DCP-OWNER-UNIQUE: a sharded position lives on exactly one rank, a replicated one on all",

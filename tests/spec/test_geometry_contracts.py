@@ -46,6 +46,8 @@ def test_table_pad_contract():
     wrong = guard_like(geometry.block_table_width, lambda num_blocks, block_size, token_alignment: num_blocks + 200)
     with fires("INV-TABLE-PAD"):
         wrong(9, 16, 128)
+    with pytest.raises(ValueError, match="token_alignment -1"):
+        geometry.block_table_width(0, 1, -1)
 
 
 def test_cdiv_and_floor_contracts():
@@ -58,8 +60,8 @@ def test_cdiv_and_floor_contracts():
 def test_effective_block_contracts():
     with fires("INV-GEOM-EFFECTIVE-BLOCK"):
         guard_like(geometry.effective_block_size, lambda group, dcp: group.block_size)(FA, 4)
-    # A Mamba group wrongly marked sharded passes the formula but not the replication rule.
-    with fires("INV-GEOM-MAMBA-REPLICATED"):
+    # A Mamba group wrongly marked sharded is refused: its state is replicated.
+    with pytest.raises(ValueError, match="INV-GEOM-MAMBA-REPLICATED: mamba:16 is marked DCP-sharded"):
         geometry.effective_block_size(CacheGroup(GroupKind.MAMBA, 16, dcp_sharded=True), 4)
 
 

@@ -1,0 +1,509 @@
+"""The prefix-cache block pool: ref counts, the free queue and the key -> blocks map.
+
+Called on every scheduler step, so the hot methods are plain loops over ints: per-block state
+lives in lists indexed by block id, and the free queue is an intrusive doubly linked list kept in
+two int lists (``_next``/``_prev``, with head and tail sentinels at ids ``num_blocks`` and
+``num_blocks + 1``), unlinked and relinked inline. There are no per-block Python objects.
+Measured against an ``OrderedDict`` queue, the int arrays are ~2x faster per pop/push (the
+OrderedDict's ``popitem(last=False)``/``move_to_end`` go through its hash table); see
+docs/benchmarks.md.
+
+Semantics are those of ``kvproof.spec.block_pool`` (read that module first): one key per block,
+the null block 0 inert, ``allocate`` pops the free-queue head and evicts, ``free`` prepends
+uncached blocks and appends cached ones. Differences from vLLM 0.33 (reference section 10.2):
+no alias keys; a partial key at a boundary the block already covers is refused; promotion and
+growth retire the shorter key, so no stale key can come back.
+
+Contracts, two tiers (docs/spec-block-pool.md):
+
+* cheap, always on: input validation and O(blocks touched) consistency checks written as plain
+  code in each method. They raise ``ValueError`` (bad input; the message starts with the
+  invariant id and names the block and its ref count) or ``InvariantViolation`` (the pool itself
+  is inconsistent). Every failed call leaves the pool unchanged (INV-POOL-ATOMIC).
+* slow, behind ``ICONTRACT_SLOW``: icontract ``@require``/``@ensure`` on every public method,
+  including the whole-pool :meth:`BlockPool._check`. An icontract condition costs ~5 us per
+  call here against ~0.1 us for the method body, which is why they are not the cheap tier.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Hashable, Iterable, Optional, Sequence
+
+import icontract
+
+from kvproof.spec import contracts
+from kvproof.spec.contracts import InvariantViolation, check
+
+NULL_BLOCK = 0
+
+Key = Hashable
+
+_SLOW = contracts.SLOW
+
+
+def _count_refs(self: "BlockPool", blocks: Iterable[int]) -> dict[int, int]:
+    """Ref counts of the given blocks (snapshot helper for the slow-tier contracts)."""
+    return {b: self._ref[b] for b in blocks if isinstance(b, int) and 0 <= b < self._num_blocks}
+
+
+class BlockPool:
+    """KV-cache blocks ``0 .. num_blocks-1`` with ref counts and prefix-cache keys.
+
+    Block 0 is the null block (placeholder in block tables): never allocated, cached or keyed.
+    ``touch`` and ``free`` skip it silently, because block tables hand it back with the real
+    blocks (as in vLLM); every caching call rejects it. ``-1`` is never a block id; "no block"
+    is ``None``.
+    """
+
+    __slots__ = ("_num_blocks", "_ref", "_key", "_ntok", "_holders", "_next", "_prev", "_head", "_tail", "_num_free")
+
+    @icontract.require(
+        lambda num_blocks: isinstance(num_blocks, int) and num_blocks >= 1,
+        error=lambda num_blocks: ValueError(f"num_blocks {num_blocks!r} must be an int >= 1 (block 0 is the null block)"),
+    )
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: a new pool is well formed", enabled=_SLOW)
+    def __init__(self, num_blocks: int) -> None:
+        """A pool whose blocks 1..num_blocks-1 start free, in id order (allocated in that order)."""
+        self._num_blocks = num_blocks
+        self._ref = [0] * num_blocks
+        self._key: list[Optional[Key]] = [None] * num_blocks
+        # Prefix length covered by the block's key; 0 iff the block has no key.
+        self._ntok = [0] * num_blocks
+        # key -> the blocks holding it, oldest first (lookups return the first).
+        self._holders: dict[Key, list[int]] = {}
+        # Free queue: _next/_prev links, -1 for a block that is not queued (ref > 0, or null).
+        self._head, self._tail = num_blocks, num_blocks + 1
+        self._next = [-1] * (num_blocks + 2)
+        self._prev = [-1] * (num_blocks + 2)
+        chain = [self._head, *range(1, num_blocks), self._tail]
+        for a, b in zip(chain, chain[1:]):
+            self._next[a], self._prev[b] = b, a
+        self._num_free = num_blocks - 1
+
+    def __repr__(self) -> str:
+        return f"BlockPool(num_blocks={self._num_blocks}, free={self._num_free}, keys={len(self._holders)})"
+
+    # --- queries (no state change) -------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        """Total block count, the null block included."""
+        return self._num_blocks
+
+    @property
+    def num_free(self) -> int:
+        """Blocks ``allocate`` can hand out now: uncached free blocks plus evictable cached ones."""
+        return self._num_free
+
+    def can_allocate(self, n: int) -> bool:
+        """Whether ``allocate(n)`` would succeed. No state change."""
+        return 0 <= n <= self._num_free
+
+    def usage(self) -> float:
+        """Fraction of real blocks in use (ref > 0), in [0, 1]."""
+        real = self._num_blocks - 1
+        return 1.0 - self._num_free / real if real else 0.0
+
+    def ref_count(self, block: int) -> int:
+        """Reference count of ``block``."""
+        self._require_in_range(block, "ref_count")
+        return self._ref[block]
+
+    def key_of(self, block: int) -> Optional[Key]:
+        """The one key naming ``block``'s contents, or None if it is not cached."""
+        self._require_in_range(block, "key_of")
+        return self._key[block]
+
+    def num_tokens_of(self, block: int) -> int:
+        """Prefix length the block's key covers (0 if uncached): a manager can skip offering a
+        partial boundary the block already covers without calling into the pool."""
+        self._require_in_range(block, "num_tokens_of")
+        return self._ntok[block]
+
+    def lookup(self, key: Key) -> Optional[int]:
+        """The block a cache hit on ``key`` returns (the oldest holder), or None. No state change;
+        the caller takes a reference with :meth:`touch`."""
+        found = self._holders.get(key)
+        return found[0] if found else None
+
+    def holders(self, key: Key) -> tuple[int, ...]:
+        """All blocks holding ``key``, oldest first. No state change."""
+        return tuple(self._holders.get(key, ()))
+
+    def free_order(self) -> tuple[int, ...]:
+        """The free queue, head (next to allocate) first. O(num_free); for tests and debugging."""
+        out, nxt, b = [], self._next, self._next[self._head]
+        while b != self._tail and len(out) < self._num_blocks:  # the bound stops a corrupted cycle
+            out.append(b)
+            b = nxt[b]
+        return tuple(out)
+
+    def num_cached_keys(self) -> int:
+        """Number of distinct keys in the cache."""
+        return len(self._holders)
+
+    # --- verbs (mutate state) ------------------------------------------------------------------
+
+    @icontract.snapshot(lambda self: self.free_order(), name="free_order", enabled=_SLOW)
+    @icontract.ensure(
+        lambda OLD, self, n, result: result is not None or self.free_order() == OLD.free_order,
+        "INV-POOL-ATOMIC: a failed allocate changes nothing",
+        enabled=_SLOW,
+    )
+    @icontract.ensure(
+        lambda self, n, result: result is None
+        or (len(result) == n == len(set(result)) and all(self._ref[b] == 1 and self._key[b] is None and b != NULL_BLOCK for b in result)),
+        "INV-POOL-ALLOC-FRESH: allocate returns n distinct real blocks with ref 1 and no key",
+        enabled=_SLOW,
+    )
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after allocate", enabled=_SLOW)
+    def allocate(self, n: int) -> Optional[list[int]]:
+        """Mutates. Take ``n`` blocks from the head of the free queue, each with ref 1 and no key.
+
+        A popped cached block is evicted: its key is dropped (so it is never hit again). Returns
+        None and changes nothing when fewer than ``n`` blocks are free (INV-POOL-ATOMIC); callers
+        that need to know beforehand use :meth:`can_allocate`.
+        """
+        if n < 0:
+            raise ValueError(f"allocate: block count {n} must be >= 0")
+        if n > self._num_free:
+            return None
+        ref, key, nxt, prv = self._ref, self._key, self._next, self._prev
+        out = []
+        b = nxt[self._head]
+        for _ in range(n):
+            if ref[b]:
+                raise InvariantViolation("INV-POOL-FREE-IFF-UNREF", f"block {b} popped from the free queue has ref count {ref[b]}")
+            if key[b] is not None:
+                self._drop_key(b)
+            ref[b] = 1
+            out.append(b)
+            following = nxt[b]
+            nxt[b] = prv[b] = -1
+            b = following
+        nxt[self._head], prv[b] = b, self._head  # splice the popped run out in one step
+        self._num_free -= n
+        return out
+
+    @icontract.snapshot(lambda self, blocks: _count_refs(self, blocks), name="refs", enabled=_SLOW)
+    @icontract.ensure(
+        lambda OLD, self, blocks: all(self._ref[b] == OLD.refs[b] + c for b, c in Counter(blocks).items() if b != NULL_BLOCK),
+        "INV-POOL-REF-NONNEG: touch adds one reference per listed real block",
+        enabled=_SLOW,
+    )
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after touch", enabled=_SLOW)
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Mutates. Take one more reference on each listed block (a cache hit).
+
+        A ref-0 block (cached, evictable) leaves the free queue. The null block is skipped.
+        Touching a free block that has no key is refused: nothing can have hit it, so the caller
+        would be reading a block the next ``allocate`` may hand to someone else.
+        """
+        if not blocks:
+            return
+        ref, key, nb = self._ref, self._key, self._num_blocks
+        # Validate everything first (a failed call changes nothing); the common case is a run
+        # of held or cached blocks, checked with C-level loops.
+        if min(blocks) < 1 or max(blocks) >= nb or (0 in map(ref.__getitem__, blocks) and None in map(key.__getitem__, blocks)):
+            for b in blocks:
+                if not 0 < b < nb:
+                    if b == NULL_BLOCK:
+                        continue
+                    raise ValueError(f"touch: block id {b!r} out of range [0, {nb})")
+                if ref[b] == 0 and key[b] is None:
+                    raise ValueError(f"INV-POOL-FREE-IFF-UNREF: touch of block {b}: it is free (ref count 0) and has no key, so it is not a cache hit")
+        nxt, prv = self._next, self._prev
+        for b in blocks:
+            if b == NULL_BLOCK:
+                continue
+            if ref[b] == 0:  # an evictable cached block: unlink it from the free queue
+                before, after = prv[b], nxt[b]
+                nxt[before], prv[after] = after, before
+                nxt[b] = prv[b] = -1
+                self._num_free -= 1
+            ref[b] += 1
+
+    @icontract.snapshot(lambda self, blocks: _count_refs(self, blocks), name="refs", enabled=_SLOW)
+    @icontract.ensure(
+        lambda OLD, self, blocks: all(self._ref[b] == OLD.refs[b] - c for b, c in Counter(blocks).items() if b != NULL_BLOCK),
+        "INV-POOL-REF-NONNEG: free drops one reference per listed real block",
+        enabled=_SLOW,
+    )
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after free", enabled=_SLOW)
+    def free(self, blocks: Sequence[int]) -> None:
+        """Mutates. Drop one reference per listed block (the null block is skipped).
+
+        Blocks reaching ref 0 join the free queue: uncached ones at the head, as one batch in the
+        given order (reused first); cached ones at the tail in the given order (evicted last, LRU).
+        Callers pass a request's blocks tail first so its tail is evicted first. Freeing a block
+        more times than it is referenced, or an id out of range, raises ValueError naming the
+        block and its ref count, and changes nothing.
+        """
+        if not blocks:
+            return
+        ref, nb = self._ref, self._num_blocks
+        # Validate everything first (a failed call changes nothing), with C-level loops on the
+        # common path: ids in range, every ref > 0, no id listed twice.
+        if min(blocks) < 1 or max(blocks) >= nb or 0 in map(ref.__getitem__, blocks) or (
+            len(blocks) > 1 and len(set(blocks)) != len(blocks)
+        ):
+            self._validate_free(blocks)
+        key, nxt, prv, tail = self._key, self._next, self._prev, self._tail
+        uncached = []
+        freed = 0
+        for b in blocks:
+            if b == NULL_BLOCK:
+                continue
+            r = ref[b] - 1
+            ref[b] = r
+            if r == 0:
+                freed += 1
+                if key[b] is None:
+                    uncached.append(b)
+                else:  # cached: append at the tail (evicted last)
+                    last = prv[tail]
+                    nxt[last], prv[b], nxt[b], prv[tail] = b, last, tail, b
+        if uncached:  # link the batch in order, then splice it in after the head
+            head = self._head
+            first = nxt[head]
+            before = head
+            for b in uncached:
+                nxt[before], prv[b] = b, before
+                before = b
+            nxt[before], prv[first] = first, before
+        self._num_free += freed
+
+    def _validate_free(self, blocks: Sequence[int]) -> None:
+        """The slow path of free's validation: skips null blocks, raises naming the bad block."""
+        ref, nb = self._ref, self._num_blocks
+        for b in blocks:
+            if not 0 < b < nb:
+                if b == NULL_BLOCK:
+                    continue
+                raise ValueError(f"free: block id {b!r} out of range [0, {nb})")
+            if ref[b] <= 0:
+                raise ValueError(f"INV-POOL-REF-NONNEG: free of block {b} with ref count {ref[b]} (double free, or a block the caller does not hold)")
+        for b, times in Counter(blocks).items():
+            if b != NULL_BLOCK and times > ref[b]:
+                raise ValueError(f"INV-POOL-REF-NONNEG: block {b} listed {times} times in one free but its ref count is {ref[b]}")
+
+    @icontract.ensure(
+        lambda self, block, key, num_tokens: self._key[block] == key and self._ntok[block] == num_tokens,
+        "INV-POOL-NO-STALE-PARTIAL: after cache_full the block's one key is the full key",
+        enabled=_SLOW,
+    )
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after cache_full", enabled=_SLOW)
+    def cache_full(self, block: int, key: Key, num_tokens: int) -> bool:
+        """Mutates. Name a held block by its full-block key covering ``num_tokens`` tokens.
+
+        A shorter key on the block (a partial entry) is retired: promotion. Returns True if the
+        key was newly attached, False if the block already held it. A block already covering
+        ``>= num_tokens`` tokens under another key is a caller bug: ValueError, no change.
+        """
+        if not (0 < block < self._num_blocks and self._ref[block] > 0 and num_tokens > 0):
+            self._reject_uncacheable(block, num_tokens, "cache_full")
+        holders = self._holders.get(key)
+        if holders is not None and self._ntok[holders[0]] != num_tokens:
+            self._reject_other_length(key, holders[0], num_tokens, "cache_full")
+        current = self._key[block]
+        if current == key:
+            return False
+        if self._ntok[block] >= num_tokens:
+            raise ValueError(
+                f"INV-POOL-NO-STALE-PARTIAL: cache_full of block {block} at {num_tokens} tokens, "
+                f"but it already covers {self._ntok[block]} tokens under another key"
+            )
+        if current is not None:
+            self._drop_key(block)
+        self._attach(block, key, num_tokens, holders)
+        return True
+
+    @icontract.snapshot(lambda self, block: (self._key[block], self._ntok[block]) if isinstance(block, int) and 0 <= block < self._num_blocks else None, name="entry", enabled=_SLOW)
+    @icontract.ensure(
+        lambda OLD, self, block, result: result is not None or (self._key[block], self._ntok[block]) == OLD.entry,
+        "INV-POOL-ATOMIC: a refused cache_partial changes nothing",
+        enabled=_SLOW,
+    )
+    @icontract.ensure(
+        lambda OLD, key, num_tokens, replace, result: (result is None)
+        == (not replace and OLD.entry[0] is not None and OLD.entry[0] != key and OLD.entry[1] >= num_tokens),
+        "INV-POOL-NO-STALE-PARTIAL: cache_partial refuses exactly a boundary the block already covers under another key",
+        enabled=_SLOW,
+    )
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after cache_partial", enabled=_SLOW)
+    def cache_partial(self, block: int, key: Key, num_tokens: int, replace: bool = False) -> Optional[bool]:
+        """Mutates unless refused. Offer a partial (sub-block, hash-aligned) key for a held block.
+
+        Returns True if newly attached (a shorter key on the block is retired: the entry grows
+        forward), False if the block already holds exactly this key, and None (no change) if the
+        block already covers ``>= num_tokens`` tokens under another key: it has outgrown that
+        boundary, and attaching it would bring back a stale key (vLLM 0.33, reference 10.2).
+        ``replace=True`` is for a rewritten Mamba state: the old key goes whatever its length.
+        """
+        if not (0 < block < self._num_blocks and self._ref[block] > 0 and num_tokens > 0):
+            self._reject_uncacheable(block, num_tokens, "cache_partial")
+        holders = self._holders.get(key)
+        if holders is not None and self._ntok[holders[0]] != num_tokens:
+            self._reject_other_length(key, holders[0], num_tokens, "cache_partial")
+        current = self._key[block]
+        if current == key:
+            return False
+        if current is not None:
+            if not replace and self._ntok[block] >= num_tokens:
+                return None
+            self._drop_key(block)
+        self._attach(block, key, num_tokens, holders)
+        return True
+
+    @icontract.require(
+        lambda self, blocks: all(isinstance(b, int) and 0 < b < self._num_blocks for b in blocks),
+        error=lambda self, blocks: ValueError(f"evict: block ids {list(blocks)} must lie in [1, {self._num_blocks})"),
+    )
+    @icontract.ensure(lambda self, blocks: all(self._key[b] is None for b in blocks), "INV-POOL-KEY-CONSISTENT: evicted blocks have no key")
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after evict", enabled=_SLOW)
+    def evict(self, blocks: Sequence[int]) -> int:
+        """Mutates. Drop the key of each listed block; ref counts and the free queue are unchanged.
+        Returns how many keys were dropped."""
+        dropped = 0
+        for b in blocks:
+            if self._key[b] is not None:
+                self._drop_key(b)
+                dropped += 1
+        return dropped
+
+    @icontract.ensure(
+        lambda self, result: result == (self._num_free == self._num_blocks - 1),
+        "INV-POOL-RESET-IDLE: reset succeeds exactly when no real block is in use",
+    )
+    @icontract.ensure(
+        lambda self, result: not result or not self._holders,
+        "INV-POOL-KEY-CONSISTENT: a successful reset drops every key",
+    )
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-RESET-IDLE: whole-pool check after reset", enabled=_SLOW)
+    def reset(self) -> bool:
+        """Mutates if it succeeds. Drop every key, but only when no real block is in use
+        (INV-POOL-RESET-IDLE); otherwise return False and change nothing. The free-queue order is
+        kept."""
+        if self._num_free != self._num_blocks - 1:
+            return False
+        for b in range(1, self._num_blocks):
+            self._key[b] = None
+            self._ntok[b] = 0
+        self._holders.clear()
+        return True
+
+    @icontract.require(
+        lambda self, src, dst: src != dst and all(isinstance(b, int) and 0 < b < self._num_blocks and self._ref[b] > 0 for b in (src, dst)),
+        error=lambda self, src, dst: ValueError(f"INV-POOL-HELD-TO-CACHE: move_key needs two distinct held real blocks, got {src} -> {dst}"),
+    )
+    @icontract.require(
+        lambda self, src, dst: not all(isinstance(b, int) and 0 <= b < self._num_blocks for b in (src, dst))
+        or (self._key[src] is not None and self._key[dst] is None),
+        error=lambda self, src, dst: ValueError(f"move_key: block {src} must have a key and block {dst} none"),
+    )
+    @icontract.ensure(lambda self, src, dst: self._key[src] is None and self._key[dst] is not None, "INV-POOL-KEY-CONSISTENT: the key moved")
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after move_key", enabled=_SLOW)
+    def move_key(self, src: int, dst: int) -> None:
+        """Mutates. Move src's key, its length and its place among the key's holders to dst
+        (a running Mamba request keeps writing src; its cached state now lives in the copy dst)."""
+        k = self._key[src]
+        holders = self._holders[k]
+        holders[holders.index(src)] = dst
+        self._key[dst], self._ntok[dst] = k, self._ntok[src]
+        self._key[src], self._ntok[src] = None, 0
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _require_in_range(self, block: int, what: str) -> None:
+        if not (isinstance(block, int) and 0 <= block < self._num_blocks):
+            raise ValueError(f"{what}: block id {block!r} out of range [0, {self._num_blocks})")
+
+    def _reject_uncacheable(self, block: int, num_tokens: int, what: str) -> None:
+        """Raise the ValueError for a block that cannot be cached or a non-positive length."""
+        if block == NULL_BLOCK:
+            raise ValueError(f"INV-POOL-NULL: {what}: the null block 0 is never cached")
+        if not (isinstance(block, int) and 0 < block < self._num_blocks):
+            raise ValueError(f"{what}: block id {block!r} out of range [1, {self._num_blocks})")
+        if self._ref[block] <= 0:
+            raise ValueError(f"INV-POOL-HELD-TO-CACHE: {what}: block {block} has ref count {self._ref[block]}; only a held block (ref > 0) can be cached")
+        raise ValueError(f"{what}: num_tokens {num_tokens} must be > 0")
+
+    def _reject_other_length(self, key: Key, holder: int, num_tokens: int, what: str) -> None:
+        raise ValueError(
+            f"INV-POOL-KEY-LENGTH: {what}: key already names a {self._ntok[holder]}-token prefix "
+            f"(block {holder}), not {num_tokens} tokens"
+        )
+
+    def _attach(self, block: int, key: Key, num_tokens: int, holders: Optional[list[int]]) -> None:
+        """Name an uncached block by ``key``; ``holders`` is the key's current holder list or None."""
+        self._key[block] = key
+        self._ntok[block] = num_tokens
+        if holders is None:
+            self._holders[key] = [block]
+        else:
+            holders.append(block)
+
+    def _drop_key(self, block: int) -> None:
+        k = self._key[block]
+        found = self._holders[k]
+        if len(found) == 1:
+            del self._holders[k]
+        else:
+            found.remove(block)
+        self._key[block] = None
+        self._ntok[block] = 0
+
+    def _check(self) -> bool:
+        """Validate the whole pool (slow tier, O(num_blocks + keys)); True or InvariantViolation.
+
+        The state machine calls it after every step; the icontract postconditions call it only
+        when ``ICONTRACT_SLOW`` is set.
+        """
+        nb, ref, key, ntok = self._num_blocks, self._ref, self._key, self._ntok
+        check(len(ref) == len(key) == len(ntok) == nb, "INV-POOL-CONSERVE", f"per-block arrays have lengths {len(ref)}, {len(key)}, {len(ntok)}; expected {nb}")
+        free = self._check_free_queue()
+        check(ref[NULL_BLOCK] == 0 and key[NULL_BLOCK] is None and ntok[NULL_BLOCK] == 0 and NULL_BLOCK not in free,
+              "INV-POOL-NULL", f"null block has ref {ref[0]}, key {key[0]!r}, ntok {ntok[0]}, in free queue: {NULL_BLOCK in free}")
+        for b in range(1, nb):
+            check(ref[b] >= 0, "INV-POOL-REF-NONNEG", f"block {b} has ref count {ref[b]}")
+            check((b in free) == (ref[b] == 0), "INV-POOL-FREE-IFF-UNREF", f"block {b} has ref count {ref[b]} but in free queue: {b in free}")
+            check((key[b] is None) == (ntok[b] == 0) and ntok[b] >= 0, "INV-POOL-KEY-CONSISTENT", f"block {b} has key {key[b]!r} with ntok {ntok[b]}")
+        in_use = sum(1 for b in range(1, nb) if ref[b] > 0)
+        cached_free = sum(1 for b in free if key[b] is not None)
+        check((len(free) - cached_free) + cached_free + in_use + 1 == nb, "INV-POOL-CONSERVE",
+              f"free-uncached {len(free) - cached_free} + evictable-cached {cached_free} + in-use {in_use} + null 1 != {nb} blocks")
+        named_by: dict[int, Key] = {}
+        for k, blocks in self._holders.items():
+            check(len(blocks) > 0, "INV-POOL-KEY-CONSISTENT", f"key {k!r} is in the map with no holder")
+            for b in blocks:
+                # One key per block: a block listed twice means a retired key still names it.
+                check(b not in named_by, "INV-POOL-NO-STALE-PARTIAL",
+                      f"block {b} is named by two keys, {named_by.get(b)!r} and {k!r}; the shorter one should have been retired")
+                named_by[b] = k
+                check(key[b] == k, "INV-POOL-KEY-CONSISTENT", f"key {k!r} lists block {b}, whose key is {key[b]!r}")
+            check(all(ntok[b] == ntok[blocks[0]] for b in blocks), "INV-POOL-KEY-LENGTH",
+                  f"key {k!r} is held with lengths {[ntok[b] for b in blocks]} by blocks {blocks}")
+        keyed = sum(1 for b in range(nb) if key[b] is not None)
+        check(len(named_by) == keyed, "INV-POOL-KEY-CONSISTENT", f"{keyed} blocks carry a key but the key map lists {len(named_by)}")
+        return True
+
+    def _check_free_queue(self) -> set[int]:
+        """Walk the free queue; check its links and its counter; return its members."""
+        nb, nxt, prv = self._num_blocks, self._next, self._prev
+        members: list[int] = []
+        b = nxt[self._head]
+        while b != self._tail:
+            check(0 < b < nb and len(members) < nb, "INV-POOL-FREE-IFF-UNREF",
+                  f"free queue reaches id {b} after {len(members)} blocks (expected real ids in [1, {nb}), no cycle)")
+            check(prv[b] == (members[-1] if members else self._head), "INV-POOL-FREE-IFF-UNREF",
+                  f"free queue link broken at block {b}: prev is {prv[b]}")
+            members.append(b)
+            b = nxt[b]
+        check(len(members) == self._num_free, "INV-POOL-CONSERVE",
+              f"free counter says {self._num_free} blocks but the queue holds {len(members)}")
+        queued = set(members)
+        for b in range(nb):
+            if b not in queued:
+                check(nxt[b] == prv[b] == -1, "INV-POOL-FREE-IFF-UNREF", f"block {b} is not queued but has links {prv[b]}, {nxt[b]}")
+        return queued

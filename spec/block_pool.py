@@ -1,0 +1,373 @@
+"""Abstract model of the prefix-cache block pool: one key per block, pure functions on a frozen state.
+
+This is the obviously-correct reference that ``kvproof.impl.block_pool.BlockPool`` is checked
+against (tests/impl/test_block_pool_machine.py drives both in lockstep). Every operation is a
+pure function ``op(state, ...) -> (new_state, result)``; nothing here mutates.
+
+Vocabulary
+----------
+* Block ids are ints in ``[0, num_blocks)``. Block 0 is the null block: never handed out, cached,
+  touched or freed (touch/free skip it, caching rejects it). ``-1`` is never a block id.
+* A key is any hashable. In kvproof it is ``(fine_hash_at_N, group_id)`` (``impl.hashing.key_at``);
+  the model never looks inside it.
+* **One key per block.** A block whose contents are the prefix ``[0, N)`` of some request is named
+  by exactly one key, and the pool records ``N`` (``ntok``) with it. Several blocks may hold the
+  same key (nothing is deduplicated); a lookup returns the block that has held it longest.
+  vLLM 0.33 also keeps "alias" keys on a block; this model has none, which is what makes
+  "no stale partial key" (INV-POOL-NO-STALE-PARTIAL) a structural fact rather than a cleanup duty.
+* The free queue holds every real block with ref count 0, head first. ``allocate`` pops from the
+  head and drops the popped block's key (eviction). ``free`` puts keyless blocks at the head (as
+  one batch, in the order given, so they are reused first) and cached blocks at the tail (LRU).
+
+Invariant ids used here: INV-POOL-NULL, INV-POOL-REF-NONNEG, INV-POOL-FREE-IFF-UNREF,
+INV-POOL-CONSERVE, INV-POOL-KEY-CONSISTENT, INV-POOL-KEY-LENGTH, INV-POOL-NO-STALE-PARTIAL,
+INV-POOL-ATOMIC, INV-POOL-ALLOC-FRESH, INV-POOL-HELD-TO-CACHE, INV-POOL-RESET-IDLE
+(docs/spec-block-pool.md).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Hashable, Optional, Sequence
+
+import icontract
+
+NULL_BLOCK = 0
+
+Key = Hashable
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """The pool's whole abstract state; index ``b`` of each tuple describes block ``b``.
+
+    ``key[b]`` is the one key naming block b's contents (None: uncached), ``ntok[b]`` the prefix
+    length that key covers (0 iff uncached) and ``stamp[b]`` the logical time it was attached, which
+    orders the holders of a key (the oldest is what a lookup returns). ``free`` is the free queue,
+    head first. ``clock`` is the next stamp.
+    """
+
+    ref: tuple[int, ...]
+    key: tuple[Optional[Key], ...]
+    ntok: tuple[int, ...]
+    stamp: tuple[int, ...]
+    free: tuple[int, ...]
+    clock: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.ref)
+
+
+# --- invariants (each returns a bool so icontract and the state machine can use it) -----------
+
+
+def null_block_inert(s: PoolState) -> bool:
+    """INV-POOL-NULL: block 0 has ref 0, no key and is never in the free queue."""
+    return s.ref[0] == 0 and s.key[0] is None and s.ntok[0] == 0 and NULL_BLOCK not in s.free
+
+
+def refs_nonnegative(s: PoolState) -> bool:
+    """INV-POOL-REF-NONNEG: no ref count is negative."""
+    return all(r >= 0 for r in s.ref)
+
+
+def free_iff_unreferenced(s: PoolState) -> bool:
+    """INV-POOL-FREE-IFF-UNREF: a real block is in the free queue (once) iff its ref count is 0."""
+    return len(set(s.free)) == len(s.free) and set(s.free) == {
+        b for b in range(1, s.num_blocks) if s.ref[b] == 0
+    }
+
+
+def conserved(s: PoolState) -> bool:
+    """INV-POOL-CONSERVE: free-uncached + evictable-cached + in-use + null == num_blocks."""
+    free_uncached = sum(1 for b in s.free if s.key[b] is None)
+    evictable_cached = sum(1 for b in s.free if s.key[b] is not None)
+    in_use = sum(1 for b in range(1, s.num_blocks) if s.ref[b] > 0)
+    return free_uncached + evictable_cached + in_use + 1 == s.num_blocks
+
+
+def keys_consistent(s: PoolState) -> bool:
+    """INV-POOL-KEY-CONSISTENT: a block has a key iff it records a positive ntok; stamps are in the past."""
+    return all(
+        (s.key[b] is None) == (s.ntok[b] == 0) and s.ntok[b] >= 0 and s.stamp[b] < max(s.clock, 1)
+        for b in range(s.num_blocks)
+    )
+
+
+def key_lengths_agree(s: PoolState) -> bool:
+    """INV-POOL-KEY-LENGTH: every holder of a key records the same prefix length for it."""
+    length: dict[Key, int] = {}
+    for b in range(s.num_blocks):
+        k = s.key[b]
+        if k is not None and length.setdefault(k, s.ntok[b]) != s.ntok[b]:
+            return False
+    return True
+
+
+def well_formed(s: PoolState) -> bool:
+    """All whole-state invariants at once."""
+    return (
+        len(s.ref) == len(s.key) == len(s.ntok) == len(s.stamp)
+        and null_block_inert(s)
+        and refs_nonnegative(s)
+        and free_iff_unreferenced(s)
+        and conserved(s)
+        and keys_consistent(s)
+        and key_lengths_agree(s)
+    )
+
+
+# --- queries (no state change) ---------------------------------------------------------------
+
+
+def holders(s: PoolState, key: Key) -> tuple[int, ...]:
+    """The blocks holding ``key``, oldest first."""
+    return tuple(sorted((b for b in range(s.num_blocks) if s.key[b] == key), key=lambda b: s.stamp[b]))
+
+
+def lookup(s: PoolState, key: Key) -> Optional[int]:
+    """The block a cache hit on ``key`` returns (the oldest holder), or None on a miss."""
+    found = holders(s, key)
+    return found[0] if found else None
+
+
+def num_free(s: PoolState) -> int:
+    return len(s.free)
+
+
+def _is_real(s: PoolState, b: int) -> bool:
+    return isinstance(b, int) and 0 < b < s.num_blocks
+
+
+def _in_range(s: PoolState, b: int) -> bool:
+    return isinstance(b, int) and 0 <= b < s.num_blocks
+
+
+def _replace(t: tuple, index: int, value: object) -> tuple:
+    return t[:index] + (value,) + t[index + 1 :]
+
+
+# --- operations (pure: each returns a new state) ---------------------------------------------
+
+
+@icontract.require(lambda num_blocks: num_blocks >= 1, error=lambda num_blocks: ValueError(f"num_blocks {num_blocks} must be >= 1 (block 0 is the null block)"))
+@icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: the initial pool is well formed")
+def initial(num_blocks: int) -> PoolState:
+    """A pool of ``num_blocks`` blocks; blocks 1..num_blocks-1 are free, in id order."""
+    zeros = (0,) * num_blocks
+    return PoolState(ref=zeros, key=(None,) * num_blocks, ntok=zeros, stamp=zeros, free=tuple(range(1, num_blocks)))
+
+
+@icontract.require(lambda n: isinstance(n, int) and n >= 0, error=lambda n: ValueError(f"allocate: block count {n} must be an int >= 0"))
+@icontract.ensure(
+    lambda s, n, result: result is None if n > len(s.free) else len(result[1]) == n,
+    "INV-POOL-ATOMIC: allocate(n) with n > num_free fails (None) and changes nothing",
+)
+@icontract.ensure(
+    lambda result: result is None
+    or all(result[0].ref[b] == 1 and result[0].key[b] is None and b != NULL_BLOCK for b in result[1]),
+    "INV-POOL-ALLOC-FRESH: allocated blocks are real, have ref 1 and no key",
+)
+@icontract.ensure(lambda result: result is None or well_formed(result[0]), "INV-POOL-CONSERVE: allocate keeps the pool well formed")
+def allocate(s: PoolState, n: int) -> Optional[tuple[PoolState, tuple[int, ...]]]:
+    """Pop ``n`` blocks from the head of the free queue, evicting their keys; None if fewer are free."""
+    if n > len(s.free):
+        return None
+    taken = s.free[:n]
+    ref, key, ntok = list(s.ref), list(s.key), list(s.ntok)
+    for b in taken:
+        ref[b], key[b], ntok[b] = 1, None, 0
+    return PoolState(tuple(ref), tuple(key), tuple(ntok), s.stamp, s.free[n:], s.clock), taken
+
+
+@icontract.require(
+    lambda s, blocks: all(_in_range(s, b) for b in blocks),
+    error=lambda s, blocks: ValueError(f"touch: block ids {list(blocks)} must lie in [0, {s.num_blocks})"),
+)
+@icontract.require(
+    lambda s, blocks: not all(_in_range(s, b) for b in blocks)
+    or all(b == NULL_BLOCK or s.ref[b] > 0 or s.key[b] is not None for b in blocks),
+    error=lambda s, blocks: ValueError(f"INV-POOL-FREE-IFF-UNREF: touch of a free block without a key in {list(blocks)}"),
+)
+@icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: touch keeps the pool well formed")
+def touch(s: PoolState, blocks: Sequence[int]) -> PoolState:
+    """Take one more reference on each block (a cache hit); a ref-0 block leaves the free queue."""
+    ref = list(s.ref)
+    free = list(s.free)
+    for b in blocks:
+        if b == NULL_BLOCK:
+            continue
+        if ref[b] == 0:
+            free.remove(b)
+        ref[b] += 1
+    return PoolState(tuple(ref), s.key, s.ntok, s.stamp, tuple(free), s.clock)
+
+
+@icontract.require(
+    lambda s, blocks: all(_in_range(s, b) for b in blocks),
+    error=lambda s, blocks: ValueError(f"free: block ids {list(blocks)} must lie in [0, {s.num_blocks})"),
+)
+@icontract.require(
+    lambda s, blocks: not all(_in_range(s, b) for b in blocks)
+    or all(s.ref[b] >= c for b, c in Counter(b for b in blocks if b != NULL_BLOCK).items()),
+    error=lambda s, blocks: ValueError(f"INV-POOL-REF-NONNEG: free of {list(blocks)} would drive a ref count negative"),
+)
+@icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: free keeps the pool well formed")
+def free(s: PoolState, blocks: Sequence[int]) -> PoolState:
+    """Drop one reference per listed block; blocks reaching 0 join the free queue.
+
+    Uncached ones go to the head as one batch in the given order (reused first); cached ones go to
+    the tail in the given order (evicted last-freed-last, i.e. LRU).
+    """
+    ref = list(s.ref)
+    uncached: list[int] = []
+    cached: list[int] = []
+    for b in blocks:
+        if b == NULL_BLOCK:
+            continue
+        ref[b] -= 1
+        if ref[b] == 0:
+            (uncached if s.key[b] is None else cached).append(b)
+    return PoolState(tuple(ref), s.key, s.ntok, s.stamp, tuple(uncached) + s.free + tuple(cached), s.clock)
+
+
+def _cacheable(s: PoolState, b: int) -> bool:
+    return _is_real(s, b) and s.ref[b] > 0
+
+
+def _length_agrees(s: PoolState, key: Key, n: int) -> bool:
+    return all(s.ntok[h] == n for h in holders(s, key))
+
+
+def _attach(s: PoolState, b: int, key: Key, n: int) -> PoolState:
+    """Retire b's key (if any) and name b by ``key`` covering ``n`` tokens."""
+    return PoolState(
+        s.ref, _replace(s.key, b, key), _replace(s.ntok, b, n), _replace(s.stamp, b, s.clock), s.free, s.clock + 1
+    )
+
+
+_CACHE_PRECONDITIONS = (
+    icontract.require(
+        lambda s, block: _cacheable(s, block),
+        error=lambda s, block: ValueError(
+            f"INV-POOL-HELD-TO-CACHE: block {block} must be a real block ([1, {s.num_blocks})) with ref > 0"
+        ),
+    ),
+    icontract.require(
+        lambda num_tokens: isinstance(num_tokens, int) and num_tokens > 0,
+        error=lambda num_tokens: ValueError(f"cache: num_tokens {num_tokens} must be an int > 0"),
+    ),
+    icontract.require(
+        lambda s, key, num_tokens: not (isinstance(num_tokens, int) and num_tokens > 0) or _length_agrees(s, key, num_tokens),
+        error=lambda s, key, num_tokens: ValueError(
+            f"INV-POOL-KEY-LENGTH: key already names a prefix of a different length than {num_tokens}"
+        ),
+    ),
+)
+
+
+def _with_cache_preconditions(fn):
+    # icontract does not promise an order among preconditions, so each one guards its own domain.
+    for decorator in reversed(_CACHE_PRECONDITIONS):
+        fn = decorator(fn)
+    return fn
+
+
+@_with_cache_preconditions
+@icontract.require(
+    lambda s, block, key, num_tokens: not _cacheable(s, block) or not isinstance(num_tokens, int)
+    or s.key[block] == key or s.ntok[block] < num_tokens,
+    error=lambda s, block, num_tokens: ValueError(
+        f"INV-POOL-NO-STALE-PARTIAL: block {block} already covers {s.ntok[block]} tokens; "
+        f"a full key at {num_tokens} would go backwards"
+    ),
+)
+@icontract.ensure(
+    lambda block, key, num_tokens, result: result[0].key[block] == key and result[0].ntok[block] == num_tokens,
+    "INV-POOL-NO-STALE-PARTIAL: after cache_full the block's one key is the full key",
+)
+@icontract.ensure(lambda result: well_formed(result[0]), "INV-POOL-CONSERVE: cache_full keeps the pool well formed")
+def cache_full(s: PoolState, block: int, key: Key, num_tokens: int) -> tuple[PoolState, bool]:
+    """Name a held block by its full-block key; a shorter (partial) key on it is retired (promotion).
+
+    Returns ``(state, True)`` when the key was newly attached, ``(s, False)`` when already there.
+    """
+    if s.key[block] == key:
+        return s, False
+    return _attach(s, block, key, num_tokens), True
+
+
+@_with_cache_preconditions
+@icontract.ensure(
+    lambda s, result: result[1] is not None or result[0] == s,
+    "INV-POOL-ATOMIC: a refused cache_partial changes nothing",
+)
+@icontract.ensure(
+    lambda s, block, key, num_tokens, replace, result: result[1] is not None
+    or (not replace and s.key[block] != key and s.ntok[block] >= num_tokens),
+    "INV-POOL-NO-STALE-PARTIAL: cache_partial refuses exactly a boundary the block already covers",
+)
+@icontract.ensure(lambda result: well_formed(result[0]), "INV-POOL-CONSERVE: cache_partial keeps the pool well formed")
+def cache_partial(
+    s: PoolState, block: int, key: Key, num_tokens: int, replace: bool = False
+) -> tuple[PoolState, Optional[bool]]:
+    """Offer a partial (sub-block, hash-aligned) key for a held block.
+
+    Result: True newly attached (a shorter key is retired: "grow forward"), False already attached,
+    None refused because the block already covers ``>= num_tokens`` tokens under another key (the
+    vLLM 0.33 alias bug, reference 10.2). ``replace=True`` (a rewritten Mamba state) attaches
+    regardless of the length the block covered before.
+    """
+    if s.key[block] == key:
+        return s, False
+    if not replace and s.ntok[block] >= num_tokens:
+        return s, None
+    return _attach(s, block, key, num_tokens), True
+
+
+@icontract.require(
+    lambda s, blocks: all(_is_real(s, b) for b in blocks),
+    error=lambda s, blocks: ValueError(f"evict: block ids {list(blocks)} must lie in [1, {s.num_blocks})"),
+)
+@icontract.ensure(lambda blocks, result: all(result.key[b] is None for b in blocks), "INV-POOL-KEY-CONSISTENT: evicted blocks have no key")
+@icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: evict keeps the pool well formed")
+def evict(s: PoolState, blocks: Sequence[int]) -> PoolState:
+    """Drop the key of each listed block; ref counts and the free queue are unchanged."""
+    key, ntok = list(s.key), list(s.ntok)
+    for b in blocks:
+        key[b], ntok[b] = None, 0
+    return PoolState(s.ref, tuple(key), tuple(ntok), s.stamp, s.free, s.clock)
+
+
+@icontract.ensure(
+    lambda s, result: result[1] == all(r == 0 for r in s.ref),
+    "INV-POOL-RESET-IDLE: reset succeeds exactly when no real block is in use",
+)
+@icontract.ensure(lambda s, result: result[1] or result[0] == s, "INV-POOL-ATOMIC: a refused reset changes nothing")
+@icontract.ensure(lambda result: not result[1] or all(k is None for k in result[0].key), "INV-POOL-KEY-CONSISTENT: reset drops every key")
+def reset(s: PoolState) -> tuple[PoolState, bool]:
+    """Drop every key if no block is in use (free-queue order kept); otherwise refuse (False)."""
+    if any(r > 0 for r in s.ref):
+        return s, False
+    n = s.num_blocks
+    return PoolState(s.ref, (None,) * n, (0,) * n, s.stamp, s.free, s.clock), True
+
+
+@icontract.require(
+    lambda s, src, dst: _cacheable(s, src) and _cacheable(s, dst) and src != dst,
+    error=lambda s, src, dst: ValueError(f"INV-POOL-HELD-TO-CACHE: move_key needs two distinct held real blocks, got {src} -> {dst}"),
+)
+@icontract.require(
+    lambda s, src, dst: not (_in_range(s, src) and _in_range(s, dst)) or (s.key[src] is not None and s.key[dst] is None),
+    error=lambda s, src, dst: ValueError(f"move_key: block {src} must have a key and block {dst} none"),
+)
+@icontract.ensure(lambda s, src, dst, result: result.key[dst] == s.key[src] and result.key[src] is None, "INV-POOL-KEY-CONSISTENT: the key moved")
+@icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: move_key keeps the pool well formed")
+def move_key(s: PoolState, src: int, dst: int) -> PoolState:
+    """Move src's key (and its length and age) to dst: the running Mamba owner keeps writing src."""
+    key = _replace(_replace(s.key, dst, s.key[src]), src, None)
+    ntok = _replace(_replace(s.ntok, dst, s.ntok[src]), src, 0)
+    stamp = _replace(s.stamp, dst, s.stamp[src])
+    return PoolState(s.ref, key, ntok, stamp, s.free, s.clock)
