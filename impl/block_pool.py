@@ -56,7 +56,7 @@ class BlockPool:
     is ``None``.
     """
 
-    __slots__ = ("_num_blocks", "_ref", "_key", "_ntok", "_holders", "_next", "_prev", "_head", "_tail", "_num_free")
+    __slots__ = ("_num_blocks", "_ref", "_key", "_ntok", "_holders", "_next", "_prev", "_head", "_tail", "_num_free", "num_evictions")
 
     @icontract.require(
         lambda num_blocks: isinstance(num_blocks, int) and num_blocks >= 1,
@@ -80,6 +80,8 @@ class BlockPool:
         for a, b in zip(chain, chain[1:]):
             self._next[a], self._prev[b] = b, a
         self._num_free = num_blocks - 1
+        #: Cached blocks ``allocate`` has evicted (their key dropped to reuse the block).
+        self.num_evictions = 0
 
     def __repr__(self) -> str:
         return f"BlockPool(num_blocks={self._num_blocks}, free={self._num_free}, keys={len(self._holders)})"
@@ -177,6 +179,7 @@ class BlockPool:
                 raise InvariantViolation("INV-POOL-FREE-IFF-UNREF", f"block {b} popped from the free queue has ref count {ref[b]}")
             if key[b] is not None:
                 self._drop_key(b)
+                self.num_evictions += 1
             ref[b] = 1
             out.append(b)
             following = nxt[b]

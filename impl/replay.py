@@ -77,4 +77,4 @@ def replay(
         violations.append(str(e))
     if watcher is not None:
         violations.extend(watcher.violations)
-    return ReplayResult(requests, sched.step, kv.num_copies, getattr(kv.pool, "num_evictions", 0), sched.num_preemptions, violations)
+    return ReplayResult(requests, sched.step, kv.num_copies, kv.pool.num_evictions, sched.num_preemptions, violations)

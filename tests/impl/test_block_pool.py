@@ -352,3 +352,15 @@ def test_move_key_moves_length_and_age():
     assert pool.holders(("k", 1)) == (b3, b2) and pool.num_tokens_of(b3) == 4 and pool.key_of(b1) is None
     with pytest.raises(ValueError, match=r"move_key: block 1 must have a key and block 2 none"):
         pool.move_key(b1, b2)
+
+
+def test_allocate_counts_evictions_of_cached_blocks():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    pool.cache_full(a, ("k", 0), 4)
+    pool.free([a, b])  # b (uncached) goes to the head, a (cached) to the tail
+    assert pool.num_evictions == 0
+    pool.allocate(2)
+    assert pool.num_evictions == 0  # b and block 3: neither held a key
+    pool.allocate(1)
+    assert pool.num_evictions == 1 and pool.lookup(("k", 0)) is None
