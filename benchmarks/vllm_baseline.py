@@ -1,0 +1,540 @@
+"""vLLM 0.33.0's own scheduler-side KV-cache manager behind kvproof's manager interface, so the
+same workload can be replayed through both by the same driver (kvproof's ``Scheduler``).
+
+What runs is vLLM's code, unchanged: ``vllm.v1.core.kv_cache_manager.KVCacheManager`` with its
+hybrid coordinator, single-type managers and block pool, and vLLM's request block hasher. The
+adapter only translates:
+
+* a kvproof :class:`~kvproof.spec.layout.Layout` into a ``KVCacheConfig`` (one
+  ``KVCacheGroupSpec`` per kvproof group) plus the constructor arguments vLLM's ``Scheduler``
+  would pass (scheduler block size, hash block size, DCP size, caching on, no EAGLE);
+* each kvproof ``Request`` into one long-lived ``vllm.v1.request.Request`` fed the same tokens;
+* kvproof's step protocol (``begin_step / lookup / allocate_slots / take_block_copies / cache /
+  free``) into the calls vLLM's ``Scheduler.schedule`` makes (``new_step_starts /
+  get_computed_blocks / allocate_slots / take_kv_cache_block_copies / free``).
+
+Semantics are vLLM's, not kvproof's: vLLM keys blocks inside ``allocate_slots`` (before the
+forward pass), so ``cache()`` is a no-op here, and hit lengths can differ from kvproof's (see
+docs/coordinator.md, "Deviations from vLLM 0.33.0").
+
+Nothing from vLLM's engine is built: the scheduler-side modules need no ``VllmConfig``. The only
+stand-ins are the tensor-shape fields of the specs (head counts, dtypes, Mamba state shapes),
+which the scheduler side never reads except to compute page sizes nothing here uses.
+
+    python benchmarks/manager.py --requests 300 --dcp 1 2     # prints both columns
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+import time
+from typing import Any, Optional
+
+# vLLM is optional for kvproof: importing this module without it raises ImportError, which
+# benchmarks/manager.py turns into "kvproof only".
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import Request as VllmRequest
+from vllm.v1.request import RequestStatus
+
+from kvproof.impl.request import Request
+from kvproof.spec.groups import CacheGroup, GroupKind, MambaCacheMode
+from kvproof.spec.layout import Layout
+
+#: vLLM's default ``prefix_caching_hash_algo`` (pickle + SHA-256). The NONE_HASH seed is then the
+#: fixed "vllm-none-hash" string unless PYTHONHASHSEED is set (reference 2.1).
+HASH_ALGO = "sha256"
+
+# Shape stand-ins for the specs. The scheduler side reads only block sizes, the DCP flag and
+# the Mamba cache mode; page sizes derived from these never reach block accounting.
+_ATTN_SHAPE = dict(num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+_MAMBA_SHAPE = dict(shapes=((1, 64),), dtypes=(torch.float32,))
+
+
+# --- layout -> vLLM KV-cache config ------------------------------------------------------------
+
+def _spec_for_group(group: CacheGroup):
+    """The vLLM ``KVCacheSpec`` a model with this kvproof group would report."""
+    sharded = group.is_sharded
+    if group.kind is GroupKind.FULL_ATTENTION:
+        return FullAttentionSpec(block_size=group.block_size, dcp_sharded=sharded, **_ATTN_SHAPE)
+    if group.kind is GroupKind.MLA:
+        return MLAAttentionSpec(block_size=group.block_size, dcp_sharded=sharded, **_ATTN_SHAPE)
+    if group.kind is GroupKind.SLIDING_WINDOW:
+        return SlidingWindowSpec(
+            block_size=group.block_size, sliding_window=group.sliding_window, dcp_sharded=sharded, **_ATTN_SHAPE
+        )
+    if group.kind is GroupKind.MAMBA:
+        if group.mamba_cache_mode is not MambaCacheMode.ALIGN:
+            # vLLM forces mode 'none' only with prefix caching off, and MambaManager asserts
+            # caching => align; a cached 'none' group is not a configuration vLLM can run.
+            raise ValueError(f"{group.label}: vLLM 0.33 prefix caching needs Mamba cache mode 'align'")
+        return MambaSpec(
+            block_size=group.block_size, mamba_cache_mode="align",
+            num_speculative_blocks=group.num_speculative_blocks, **_MAMBA_SHAPE,
+        )
+    raise ValueError(f"no vLLM spec for group kind {group.kind!r}")
+
+
+def kv_cache_config_for(layout: Layout, num_blocks: int) -> KVCacheConfig:
+    """One ``KVCacheGroupSpec`` per kvproof group, in kvproof's group order (so group ids agree).
+
+    ``prefix_cache_retention_interval`` is left at the dataclass default ``None`` (dense
+    retention), which is what kvproof implements; vLLM's engine sets it from
+    ``CacheConfig.prefix_cache_retention_interval`` whose default is 0 (sparse: replay
+    boundaries and junctions only). ``run_vllm(..., retention_interval=0)`` measures that.
+    """
+    groups = [KVCacheGroupSpec([f"layer.{g.index}"], _spec_for_group(g.group)) for g in layout.groups]
+    # No tensors: nothing on the scheduler side allocates memory. hash_block_size is recorded
+    # as EngineCore records it; cache_hit_alignment_tokens is filled in from vLLM's own rule
+    # once the coordinator exists (the adapter does that), never from kvproof's.
+    return KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups, hash_block_size=layout.hash_block_size,
+    )
+
+
+# --- small views the kvproof Scheduler reads ---------------------------------------------------
+
+class _PoolView:
+    """``pool.num_blocks`` / ``pool.num_free`` over vLLM's BlockPool (block 0 is its null block,
+    as in kvproof, so the counts mean the same thing)."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool) -> None:
+        self._pool = pool
+
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_gpu_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self._pool.get_num_free_blocks()
+
+
+class _CoordinatorView:
+    """The one coordinator attribute the Scheduler reads (``use_eagle``), plus vLLM's own
+    coordinator for inspection. vLLM's coordinator has no ``use_eagle`` attribute of its own."""
+
+    __slots__ = ("use_eagle", "vllm", "alignment", "partial_hash_hits")
+
+    def __init__(self, coordinator, use_eagle: bool) -> None:
+        self.use_eagle = use_eagle
+        self.vllm = coordinator
+        self.partial_hash_hits = bool(getattr(coordinator, "enable_partial_hash_hits", False))
+        self.alignment = coordinator.scheduler_block_size
+        managers = coordinator.single_type_managers
+        if managers:
+            self.alignment = managers[0].cache_hit_alignment_tokens
+
+
+class VllmHit:
+    """What ``lookup`` returns: kvproof's ``Hit`` shape (``num_tokens``) carrying vLLM's
+    ``KVCacheBlocks`` and the shared-prefix boundary that ``get_computed_blocks`` reports."""
+
+    __slots__ = ("num_tokens", "blocks", "shared_prefix_boundary")
+
+    def __init__(self, num_tokens: int, blocks: KVCacheBlocks, shared_prefix_boundary: int) -> None:
+        self.num_tokens = num_tokens
+        self.blocks = blocks
+        self.shared_prefix_boundary = shared_prefix_boundary
+
+    def __repr__(self) -> str:
+        return f"VllmHit({self.num_tokens})"
+
+
+# --- the adapter -------------------------------------------------------------------------------
+
+class VllmManagerAdapter:
+    """vLLM 0.33.0's ``KVCacheManager`` with kvproof's manager interface.
+
+    Only the sync, connector-less, non-speculative path of vLLM's ``Scheduler`` is mirrored:
+    no KV connector, no async scheduling (so ``num_in_flight_tokens`` is 0 between steps and
+    CoW retentions are released as soon as the copies are taken, as ``_free_cow_retained_blocks``
+    does when ``defer_block_free`` is False), ``num_lookahead_tokens`` 0, watermark 0.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        num_blocks: int,
+        max_num_batched_tokens: int = 8192,
+        full_sequence_must_fit: bool = True,
+        retention_interval: Optional[int] = None,
+    ) -> None:
+        if not layout.config.allow_partial_hash_hits:
+            # KVCacheManager does not forward allow_partial_hash_hits to its coordinator.
+            raise ValueError("vLLM 0.33's KVCacheManager always allows partial hash hits; "
+                             "a layout with allow_partial_hash_hits=False has no vLLM counterpart")
+        self.layout = layout
+        config = kv_cache_config_for(layout, num_blocks)
+        config.prefix_cache_retention_interval = retention_interval
+        hash_fn = get_hash_fn_by_name(HASH_ALGO)
+        init_none_hash(hash_fn)  # what EngineCore does once prefix caching is on
+        self._block_hasher = get_request_block_hasher(layout.hash_block_size, hash_fn)
+        # The arguments vLLM's Scheduler passes (scheduler.py:352-370), for one engine with no
+        # speculative decoding: max_in_flight_tokens = 1 concurrent batch x the token budget.
+        self.vkv = KVCacheManager(
+            kv_cache_config=config,
+            max_model_len=layout.config.max_model_len,
+            scheduler_block_size=layout.scheduler_block_size,
+            hash_block_size=layout.hash_block_size,
+            max_in_flight_tokens=max_num_batched_tokens,
+            enable_caching=True,
+            use_eagle=False,
+            dcp_world_size=layout.dcp,
+            pcp_world_size=1,
+        )
+        self.pool = _PoolView(self.vkv.block_pool)
+        self.coordinator = _CoordinatorView(self.vkv.coordinator, use_eagle=False)
+        config.cache_hit_alignment_tokens = self.coordinator.alignment
+        # vLLM's scheduler_reserve_full_isl (default True): a waiting request is admitted only
+        # if its whole known sequence fits, not just the first chunk.
+        self.full_sequence_must_fit = full_sequence_must_fit
+        self.num_copies = 0
+        self._step = 0
+        self._mirror: dict[str, VllmRequest] = {}
+        self._running: set[str] = set()
+        # kvproof's partial-hit rule and vLLM's must agree, or the shared driver would split
+        # chunks for a rule vLLM does not apply. Recorded, not fatal: the run is still vLLM's.
+        self.disagreements: list[str] = []
+        if self.coordinator.partial_hash_hits != layout.partial_hash_hits:
+            self.disagreements.append(
+                f"partial hash hits: vLLM {self.coordinator.partial_hash_hits}, kvproof {layout.partial_hash_hits}")
+        if self.coordinator.alignment != layout.cache_hit_alignment:
+            self.disagreements.append(
+                f"cache-hit alignment: vLLM {self.coordinator.alignment}, kvproof {layout.cache_hit_alignment}")
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    # --- request mirroring -----------------------------------------------------------------
+
+    def register(self, request: Request) -> VllmRequest:
+        """Create (or return) the vLLM request mirroring ``request``. Building it hashes the
+        prompt, so callers that time the run register requests first, as kvproof hashes its
+        prompts when a ``Request`` is constructed."""
+        vreq = self._mirror.get(request.request_id)
+        if vreq is None:
+            vreq = VllmRequest(
+                request_id=request.request_id,
+                prompt_token_ids=list(request.token_ids[: request.num_prompt_tokens]),
+                sampling_params=SamplingParams(max_tokens=max(1, len(request.expected_outputs))),
+                pooling_params=None,
+                arrival_time=float(request.arrival),
+                cache_salt=request.cache_salt,
+                block_hasher=self._block_hasher,
+            )
+            self._mirror[request.request_id] = vreq
+        return self._sync(request, vreq)
+
+    def _sync(self, request: Request, vreq: VllmRequest) -> VllmRequest:
+        """Append the outputs kvproof sampled since we last saw ``request`` (vLLM appends them
+        in ``update_from_output``, which rehashes), so both requests hold the same tokens."""
+        have = vreq.num_tokens
+        if have < request.num_tokens:
+            vreq.append_output_token_ids(request.token_ids[have:])
+        return vreq
+
+    def _vreq(self, request: Request) -> VllmRequest:
+        vreq = self._mirror.get(request.request_id)
+        if vreq is None:
+            return self.register(request)
+        if vreq.num_tokens != request.num_tokens:
+            self._sync(request, vreq)
+        return vreq
+
+    def is_running(self, request: Request) -> bool:
+        return request.request_id in self._running
+
+    # --- the step protocol ------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """``Scheduler.schedule`` starts with ``kv_cache_manager.new_step_starts()`` (it resets
+        the Mamba managers' same-step bookkeeping)."""
+        self.vkv.new_step_starts()
+        self._step += 1
+
+    def lookup(self, request: Request) -> VllmHit:
+        """``get_computed_blocks`` as the waiting-queue path calls it (no side effects); the
+        scheduler stores the returned shared-prefix boundary on the request."""
+        vreq = self._vreq(request)
+        blocks, num_hit, boundary = self.vkv.get_computed_blocks(vreq)
+        vreq.shared_prefix_boundary = boundary
+        return VllmHit(num_hit, blocks, boundary)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: Optional[VllmHit] = None):
+        """vLLM's ``allocate_slots`` as ``Scheduler.schedule`` calls it: for a running request
+        with just the new-token count, for a waiting one with the hit's tokens and blocks (and
+        the full-sequence admission gate). Keys are registered inside, before the forward pass.
+
+        Returns, per group, the block ids the worker appends (the whole row for a newly admitted
+        request, which vLLM's scheduler fetches with ``get_blocks``), or None when out of blocks.
+        """
+        vreq = self._vreq(request)
+        rid = request.request_id
+        if rid in self._running:
+            if hit is not None and hit.num_tokens:
+                raise ValueError(f"request {rid!r} is running; a running request takes no hit")
+            vreq.num_computed_tokens = request.num_computed_tokens
+            new_blocks = self.vkv.allocate_slots(vreq, num_new_tokens)
+            if new_blocks is None:
+                return None
+            return new_blocks.get_block_ids()
+        # Waiting (new or preempted): vLLM keeps num_computed_tokens 0 until admission and
+        # passes the local hit separately.
+        vreq.num_computed_tokens = 0
+        num_hit = hit.num_tokens if hit is not None else 0
+        new_blocks = self.vkv.allocate_slots(
+            vreq,
+            num_new_tokens,
+            num_new_computed_tokens=num_hit,
+            new_computed_blocks=hit.blocks if hit is not None else None,
+            full_sequence_must_fit=self.full_sequence_must_fit,
+            has_scheduled_reqs=bool(self._running),
+        )
+        if new_blocks is None:
+            return None
+        vreq.status = RequestStatus.RUNNING
+        vreq.num_computed_tokens = num_hit
+        self._running.add(rid)
+        # The kvproof Scheduler reads these from the manager, as with kvproof's own.
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_hit
+        return self.vkv.get_blocks(rid).get_block_ids()
+
+    def take_block_copies(self) -> list:
+        """The step's CoW copies (``KVCacheBlockCopy(src, dst)``; vLLM's copies carry no group:
+        one pool, so a block id names one block in every layer's tensor).
+
+        Also the per-step drains vLLM's scheduler does at the end of ``schedule`` whatever the
+        configuration: boundary-state offloads and new block ids for zeroing (both grow without
+        bound otherwise). CoW retentions are released at once, as in sync mode."""
+        self.vkv.take_boundary_state_offloads()
+        copies, retained = self.vkv.take_kv_cache_block_copies()
+        if copies:
+            self.vkv.block_pool.free_blocks(retained)
+        self.vkv.take_new_block_ids()
+        self.num_copies += len(copies)
+        return copies
+
+    def cache(self, request: Request) -> None:
+        """No-op: vLLM caches inside ``allocate_slots`` (that is the design kvproof deviates
+        from). Its scheduler's only other ``cache_blocks`` call is for speculative/placeholder
+        outputs, which this driver does not produce."""
+
+    def free(self, request: Request) -> None:
+        """``kv_cache_manager.free`` -- for a finished request and for a preempted one alike."""
+        rid = request.request_id
+        vreq = self._mirror.get(rid)
+        if vreq is None:
+            return
+        self.vkv.free(vreq)
+        self._running.discard(rid)
+        if request.num_outputs >= len(request.expected_outputs):
+            # Finished: vLLM's scheduler drops the request object too.
+            del self._mirror[rid]
+        else:
+            vreq.status = RequestStatus.PREEMPTED
+            vreq.num_computed_tokens = 0
+            vreq.num_preemptions += 1
+
+    # --- inspection (tests) ---------------------------------------------------------------------
+
+    def block_table(self, request: Request) -> tuple[list[int], ...]:
+        return tuple(self.vkv.get_block_ids(request.request_id))
+
+
+# --- counting, as benchmarks/manager.py counts kvproof's manager --------------------------------
+#
+# The two columns are only comparable if both managers count the same calls. Rather than keep a
+# copy of CountingManager's choice here (it has changed before), the counted set is read off that
+# class at run time: every public method it overrides counts one op per call, and ``lookup`` is
+# also timed. A ``CountingMixin`` in manager.py, if the lead adds one, is used as is instead.
+
+#: Used only when benchmarks/manager.py cannot be imported (e.g. this module used on its own).
+DEFAULT_COUNTED_METHODS = ("lookup", "allocate_slots", "free")
+
+
+_MANAGER_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "manager.py")
+
+
+def _benchmark_module():
+    """benchmarks/manager.py if this process already loaded it (as ``__main__`` when it is the
+    script), else None. Never imported from here: importing it has side effects (it drops
+    ICONTRACT_SLOW from the environment)."""
+    for name in ("__main__", "manager"):
+        mod = sys.modules.get(name)
+        if mod is not None and hasattr(mod, "CountingManager") and hasattr(mod, "run_kvproof"):
+            return mod
+    return None
+
+
+_COUNTING_CLASSES = ("CountingMixin", "CountingManager")  # where manager.py may keep its counters
+
+
+def counted_methods() -> tuple[str, ...]:
+    """The manager calls that count as ops: the public methods benchmarks/manager.py's counting
+    class defines (a ``CountingMixin`` if it has one, else ``CountingManager``) -- read from the
+    loaded class, or parsed from the file without running it -- else
+    :data:`DEFAULT_COUNTED_METHODS`."""
+    mod = _benchmark_module()
+    if mod is not None:
+        for name in _COUNTING_CLASSES:
+            cls = getattr(mod, name, None)
+            if cls is not None:
+                return tuple(sorted(n for n, v in vars(cls).items() if callable(v) and not n.startswith("_")))
+    try:
+        with open(_MANAGER_PY, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except OSError:
+        return DEFAULT_COUNTED_METHODS
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    for name in _COUNTING_CLASSES:
+        if name in classes:
+            return tuple(sorted(
+                n.name for n in classes[name].body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")
+            ))
+    return DEFAULT_COUNTED_METHODS
+
+
+def _counting(name: str, timed: bool):
+    """A method that counts one op and calls the adapter's ``name`` (timing it if ``timed``)."""
+    inner = getattr(VllmManagerAdapter, name)
+    if timed:
+        def method(self, *args, **kwargs):
+            t = time.perf_counter_ns()
+            out = inner(self, *args, **kwargs)
+            self.lookup_ns += time.perf_counter_ns() - t
+            self.lookups += 1
+            self.ops += 1
+            return out
+    else:
+        def method(self, *args, **kwargs):
+            self.ops += 1
+            return inner(self, *args, **kwargs)
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+class _CountingState:
+    """CountingManager's counters (set up before the adapter's own ``__init__``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ops = 0
+        self.lookups = 0
+        self.lookup_ns = 0
+
+
+def counting_adapter_class() -> type:
+    """An adapter class instrumented as kvproof's benchmark instruments its manager, now."""
+    mod = _benchmark_module()
+    mixin = getattr(mod, "CountingMixin", None) if mod is not None else None
+    if mixin is not None:
+        return type("CountingVllmAdapter", (mixin, VllmManagerAdapter), {})
+    methods = {}
+    for name in counted_methods():
+        if not callable(getattr(VllmManagerAdapter, name, None)):
+            raise TypeError(f"benchmarks/manager.py counts {name!r}, which the vLLM adapter does not have")
+        methods[name] = _counting(name, timed=name == "lookup")
+    return type("CountingVllmAdapter", (_CountingState, VllmManagerAdapter), methods)
+
+
+# --- the benchmark entry point -------------------------------------------------------------------
+
+def run_vllm(trace, layout, num_blocks, budget, *, retention_interval: Optional[int] = None,
+             full_sequence_must_fit: bool = True) -> dict:
+    """``run_kvproof`` (benchmarks/manager.py) with vLLM's manager: same driver, same trace,
+    same keys. Mirror requests are built (and their prompts hashed) before the clock starts, as
+    kvproof's requests are."""
+    from kvproof.impl.scheduler import Scheduler
+
+    kv = counting_adapter_class()(
+        layout, num_blocks, max_num_batched_tokens=budget,
+        full_sequence_must_fit=full_sequence_must_fit, retention_interval=retention_interval,
+    )
+    for msg in kv.disagreements:
+        print(f"# vLLM vs kvproof layout: {msg}", file=sys.stderr)
+    sched = Scheduler(kv, max_num_batched_tokens=budget)
+    for t in trace:
+        req = Request(t.id, t.prompt, layout.hash_block_size, arrival=t.arrival, expected_outputs=t.output)
+        kv.register(req)
+        sched.add_request(req)
+    start = time.perf_counter()
+    while sched.has_unfinished():
+        sched.finish_step(sched.schedule())
+    seconds = time.perf_counter() - start
+    cached = sum(r.num_cached_tokens or 0 for r in sched.finished)
+    prompt = sum(r.num_prompt_tokens for r in sched.finished)
+    return {
+        "ops": kv.ops, "seconds": seconds, "ops_per_s": kv.ops / seconds,
+        "us_per_lookup": kv.lookup_ns / max(kv.lookups, 1) / 1000, "hit_rate": cached / prompt,
+        "copies": kv.num_copies, "steps": sched.step,
+    }
+
+
+# --- stand-alone: vLLM's side of benchmarks/manager.py in full -----------------------------------
+
+def main(argv=None) -> int:
+    """benchmarks/manager.py prints kvproof's hit rate only; this prints vLLM's whole result
+    for the same workload, with dense retention (what kvproof implements) and with vLLM's
+    production default ``prefix_cache_retention_interval=0``."""
+    import argparse
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from workloads import shared_prefix_workload
+
+    from kvproof.cli.layout_args import parse_group
+    from kvproof.spec.layout import LayoutConfig, resolve_layout
+
+    p = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--prefixes", type=int, default=20)
+    p.add_argument("--prefix-len", type=int, default=1024)
+    p.add_argument("--suffix-len", type=int, nargs=2, default=(32, 256))
+    p.add_argument("--output-len", type=int, nargs=2, default=(8, 64))
+    p.add_argument("--arrivals-per-step", type=int, default=8)
+    p.add_argument("--group", action="append", help="as for kvproof geometry (default full_attention:64, mamba:64)")
+    p.add_argument("--dcp", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--num-blocks", type=int, default=20000)
+    p.add_argument("--budget", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    groups = tuple(parse_group(g) for g in (args.group or ["full_attention:64", "mamba:64"]))
+    trace = shared_prefix_workload(
+        args.requests, args.prefixes, args.prefix_len, tuple(args.suffix_len), tuple(args.output_len),
+        args.arrivals_per_step, seed=args.seed,
+    )
+    print(f"# vLLM 0.33 manager, {args.requests} requests, groups {', '.join(g.label for g in groups)}; "
+          f"ops = {'+'.join(counted_methods())}")
+    print(f"{'dcp':>3}  {'retention':>9}  {'ops':>7}  {'ops/s':>8}  {'us/lookup':>9}  {'hit rate':>8}  "
+          f"{'copies':>6}  {'steps':>5}")
+    for dcp in args.dcp:
+        layout = resolve_layout(LayoutConfig(groups, dcp=dcp, max_model_len=1 << 20))
+        for retention in (None, 0):
+            r = run_vllm(trace, layout, args.num_blocks, args.budget, retention_interval=retention)
+            label = "dense" if retention is None else str(retention)
+            print(f"{dcp:>3}  {label:>9}  {r['ops']:>7}  {r['ops_per_s']:>8,.0f}  {r['us_per_lookup']:>9.1f}  "
+                  f"{r['hit_rate']:>8.1%}  {r['copies']:>6}  {r['steps']:>5}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
