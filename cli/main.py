@@ -5,11 +5,11 @@ from __future__ import annotations
 import sys
 
 from kvproof import __version__
-from kvproof.cli import geometry, prove, replay
+from kvproof.cli import e2e, geometry, prove, replay
 from kvproof.cli.errors import EXIT_BAD_INPUT, OneLineArgumentParser
 
 #: Subcommand modules; each has ``add_parser(subparsers)`` and sets ``run`` as a default.
-COMMANDS = (geometry, replay, prove)
+COMMANDS = (geometry, replay, prove, e2e)
 
 
 def build_parser() -> OneLineArgumentParser:
