@@ -120,7 +120,11 @@ class BlockTables:
                 "INV-TABLE-WIDTH",
                 f"group {gl.index} ({gl.group.label}) row width {gl.table_width} < {needed} entries needed",
             )
-            groups.append(TableGroup(gl.table_width, gl.group.block_size, gl.group.is_sharded, gl.group.label))
+            # A Mamba group in mode 'none' keeps one running state for the whole request (entry
+            # 0, then speculative blocks), whatever the position: one block spans max_model_len
+            # tokens, as vLLM sets mamba_block_size in that mode.
+            block = gl.group.block_size if gl.group.prefix_cacheable else layout.config.max_model_len
+            groups.append(TableGroup(gl.table_width, block, gl.group.is_sharded, gl.group.label))
         return cls(
             groups, max_num_reqs, dcp=layout.dcp, dcp_rank=dcp_rank,
             interleave=layout.config.interleave, device=device, backend=backend,

@@ -208,3 +208,16 @@ def test_seed_bug_slot_mapping_never_reads_past_the_old_row() -> None:
     with pytest.raises(IndexError, match=r"request 0 \(batch row 0\), group 0 \(mamba:16\) reads block-table "
                                          r"index 65535 but the row holds 8192 entries"):
         bt.compute_slot_mappings([0], [0, 1], [MAX_LEN - 1])
+
+
+def test_mamba_mode_none_maps_every_position_to_its_one_state_block() -> None:
+    from kvproof.spec.groups import MambaCacheMode
+
+    groups = (CacheGroup(GroupKind.FULL_ATTENTION, 16), CacheGroup(GroupKind.MAMBA, 16, mamba_cache_mode=MambaCacheMode.NONE))
+    layout = resolve_layout(LayoutConfig(groups, dcp=2, max_model_len=4096))
+    assert [g.table_width for g in layout.groups] == [128, 1]
+    bt = BlockTables.from_layout(layout, 1, dcp_rank=0)
+    bt.append_block_ids(0, [[3, 4], [9]], overwrite=True)
+    bt.apply_staged_writes()
+    slots = bt.compute_slot_mappings([0], [0, 2], [0, 33])
+    assert slots[1].tolist() == [9 * 4096, 9 * 4096 + 33]  # entry 0, never index 33 // 16
