@@ -61,11 +61,11 @@ def layer_specs(layout: Layout, layers_per_group: int) -> tuple[LayerSpec, ...]:
                 "sliding-window groups are not supported"
             )
         if not g.group.prefix_cacheable:
-            # The worker's slot mapping indexes a Mamba row by position // block_size, but a
-            # mode-'none' row holds one entry: kvproof.kernels raises INV-SLOT-INDEX-BOUND.
+            # Mode 'none' keeps one running state that no request can reuse: the model's state
+            # indexing (row[cdiv(n, B) - 1]) is the align-mode layout.
             raise ValueError(
                 f"group {g.index} ({g.group.label}): Mamba cache mode 'none' is not supported by the e2e "
-                "worker (its one-entry row cannot be slot-mapped); expected mode 'align'"
+                "model (its state is never served from the cache); expected mode 'align'"
             )
     specs = []
     for slot in range(layers_per_group):

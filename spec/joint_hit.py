@@ -64,6 +64,10 @@ def usable(view: GroupView, n: int, hash_size: int, hashed_len: int) -> bool:
     return any(has(m) for m in range(floor_to(need + hash_size - 1, hash_size), block_end + 1, hash_size))
 
 
+@icontract.require(
+    lambda bound, hashed_len: bound >= 0 and hashed_len >= 0,
+    error=lambda bound, hashed_len: ValueError(f"bound {bound} and hashed_len {hashed_len} must be >= 0"),
+)
 @icontract.require(lambda alignment, hash_size: alignment % hash_size == 0)
 @icontract.ensure(
     lambda bound, alignment, hashed_len, result: result % alignment == 0 and 0 <= result <= min(bound, hashed_len),
