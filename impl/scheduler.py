@@ -14,13 +14,18 @@ when ``output[k-1]`` is sampled, so the KV of its last output token is never com
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
+import operator
 
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
 from kvproof.impl.chunk_split import chunk_end
 from kvproof.spec.groups import GroupKind, MambaCacheMode
+
+
+_arrival = operator.attrgetter("arrival")
 
 
 class CapacityError(ValueError):
@@ -73,8 +78,7 @@ class Scheduler:
         self._eagle = kv.coordinator.use_eagle
 
     def add_request(self, request: Request) -> None:
-        self.pending.append(request)
-        self.pending.sort(key=lambda r: r.arrival)
+        bisect.insort(self.pending, request, key=_arrival)  # stable: equal arrivals keep order
 
     def has_unfinished(self) -> bool:
         return bool(self.pending or self.waiting or self.running)
@@ -82,6 +86,8 @@ class Scheduler:
     # --- one step -------------------------------------------------------------------------------
 
     def _chunk_end(self, request: Request, start: int, budget: int) -> int:
+        if start + 1 == request.num_tokens:
+            return start + 1  # a decode step: no rule shortens a one-token chunk
         if self._mamba_block is None:
             return min(start + budget, request.num_tokens)
         return chunk_end(

@@ -153,7 +153,10 @@ class SingleTypeManager:
 
     def _grow(self, table: list[int], total_tokens: int) -> list[int]:
         """Mutates. Append fresh blocks until ``table`` covers ``total_tokens``; returns them."""
-        new = self._fresh(max(self.row_length(total_tokens) - len(table), 0))
+        n = self.row_length(total_tokens) - len(table)
+        if n <= 0:
+            return []  # most decode steps: the last block still has room
+        new = self._fresh(n)
         table.extend(new)
         return new
 
