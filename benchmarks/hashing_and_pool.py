@@ -16,6 +16,7 @@ they agree on every hit count. Figures are best-of-``repeat`` wall times.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import pickle
 import random
@@ -238,9 +239,14 @@ def interleaved_best(repeat: int, variants: dict) -> dict:
     best = {name: (float("inf"), None) for name in variants}
     for _ in range(repeat):
         for name, fn in variants.items():
+            # Every run starts from a collected, frozen heap, so no variant pays for collecting
+            # the results the others keep alive.
+            gc.collect()
+            gc.freeze()
             start = time.perf_counter()
             result = fn()
             elapsed = time.perf_counter() - start
+            gc.unfreeze()
             best[name] = (min(best[name][0], elapsed), result)
     return best
 

@@ -22,11 +22,13 @@ The header fixes the record layout, so the stream parses back uniquely: two diff
 (tokens, salt, LoRA, multimodal items, lookahead) give different byte strings, and equal digests
 mean a SHA-256 collision. The cache salt sits in the header, so, as with vLLM's salt-on-block-0
 plus chaining, two salts never share any hash (INV-HASH-SALT-ISOLATION). Tokens are packed with
-``array('Q')`` (no per-token Python objects) and each block costs one ``update`` and one
-``digest`` call.
+``array('Q')`` (no per-token Python objects). For SHA-256 without multimodal items, the native
+stream (``impl/_sha256_stream.c``, OpenSSL) absorbs a run of records and returns their digests in
+one call; without it (not built), each block costs one ``update`` and one ``digest`` call on
+hashlib. Both give the same digests (tests/impl/test_hashing.py).
 
-``xxh3_128`` is ~2x faster but not collision resistant: a crafted prompt can collide with another
-tenant's prefix and read its KV. It warns once per process.
+``xxh3_128`` is not collision resistant: a crafted prompt can collide with another tenant's
+prefix and read its KV. It warns once per process.
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ from array import array
 from typing import Iterable, NamedTuple, Optional, Sequence
 
 import xxhash
+
+try:  # the native stream (impl/_sha256_stream.c): same digests, one call per run of blocks
+    from kvproof.impl._sha256_stream import Sha256Stream
+except ImportError:  # not built (no compiler or OpenSSL headers): hashlib, per block
+    Sha256Stream = None
+
+#: Whether SHA-256 request hashing runs in native code.
+NATIVE_SHA256 = Sha256Stream is not None
 
 HASH_ALGOS = ("sha256", "xxh3_128")
 DEFAULT_HASH_ALGO = "sha256"
@@ -75,7 +85,7 @@ def _field(value: Optional[str]) -> bytes:
 def _new_stream(algo: str):
     global _xxh3_warned
     if algo == "sha256":
-        return hashlib.sha256()
+        return Sha256Stream() if Sha256Stream is not None else hashlib.sha256()
     if algo == "xxh3_128":
         if not _xxh3_warned:
             _xxh3_warned = True
@@ -210,7 +220,9 @@ class RequestBlockHasher:
         view = memoryview(self._pending)
         try:
             update, digest, out = self._stream.update, self._stream.digest, self.block_hashes
-            if not self._mm_items:
+            if not self._mm_items and type(self._stream) is Sha256Stream:
+                self._stream.absorb_blocks(view, ready, step, record, out)
+            elif not self._mm_items:
                 for start in range(0, ready * step, step):
                     update(view[start : start + record])
                     out.append(digest())

@@ -165,3 +165,47 @@ def test_bad_tokens_are_rejected_without_changing_the_hasher(bad):
     assert (list(hasher.block_hashes), hasher.num_tokens) == before
     hasher.append([4])
     assert hasher.block_hashes == request_block_hashes([1, 2, 3, 4], 2)
+
+
+# --- the native SHA-256 stream ----------------------------------------------------------------
+
+native = pytest.mark.skipif(not hashing.NATIVE_SHA256, reason="native SHA-256 stream not built")
+
+
+@native
+@settings(max_examples=60)
+@given(
+    st.lists(st.integers(0, 2**40), max_size=300),
+    st.sampled_from([1, 2, 16, 64]),
+    st.integers(0, 5),
+    st.lists(st.integers(1, 40), max_size=8),
+)
+def test_native_stream_gives_hashlibs_digests(tokens, h, lookahead, cuts):
+    """Hashes from the native stream equal those of the hashlib path, however tokens arrive."""
+    pieces, start = [], 0
+    for c in cuts:
+        pieces.append(tokens[start:start + c])
+        start += c
+    pieces.append(tokens[start:])
+
+    def run():
+        hasher = hashing.RequestBlockHasher(h, lookahead_tokens=lookahead, cache_salt="s")
+        for piece in pieces:
+            hasher.append(piece)
+        return list(hasher.block_hashes)
+
+    fast = run()
+    saved = hashing.Sha256Stream
+    hashing.Sha256Stream = None  # the pure-Python path: hashlib, one update + digest per block
+    try:
+        slow = run()
+    finally:
+        hashing.Sha256Stream = saved
+    assert fast == slow
+
+
+@native
+def test_native_absorb_refuses_to_read_past_its_buffer():
+    stream = hashing.Sha256Stream(b"x")
+    with pytest.raises(ValueError, match="overrun a 16-byte buffer"):
+        stream.absorb_blocks(b"\0" * 16, 2, 8, 16, [])
