@@ -14,7 +14,7 @@ uncached blocks and appends cached ones. Differences from vLLM 0.33 (reference s
 no alias keys; a partial key at a boundary the block already covers is refused; promotion and
 growth retire the shorter key, so no stale key can come back.
 
-Contracts, two tiers (docs/spec-block-pool.md):
+Contracts, two tiers (docs/spec.md, the block-pool section):
 
 * cheap, always on: input validation and O(blocks touched) consistency checks written as plain
   code in each method. They raise ``ValueError`` (bad input; the message starts with the

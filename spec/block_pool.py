@@ -22,7 +22,7 @@ Vocabulary
 Invariant ids used here: INV-POOL-NULL, INV-POOL-REF-NONNEG, INV-POOL-FREE-IFF-UNREF,
 INV-POOL-CONSERVE, INV-POOL-KEY-CONSISTENT, INV-POOL-KEY-LENGTH, INV-POOL-NO-STALE-PARTIAL,
 INV-POOL-ATOMIC, INV-POOL-ALLOC-FRESH, INV-POOL-HELD-TO-CACHE, INV-POOL-RESET-IDLE
-(docs/spec-block-pool.md).
+(docs/spec.md, the block-pool section).
 """
 
 from __future__ import annotations
