@@ -17,64 +17,25 @@ import argparse
 import gc
 import os
 import sys
-import time
 
 os.environ.pop("ICONTRACT_SLOW", None)  # staging configuration: cheap tier only
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from counting import CountingMixin, drive  # noqa: E402
 from workloads import shared_prefix_workload  # noqa: E402
 
 from kvproof.cli.layout_args import parse_group  # noqa: E402
 from kvproof.impl.kv_cache_manager import KVCacheManager  # noqa: E402
-from kvproof.impl.request import Request  # noqa: E402
-from kvproof.impl.scheduler import Scheduler  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
 
 
-class CountingManager(KVCacheManager):
-    """Counts manager operations -- lookups, allocations (per prefill chunk and per decode
-    token) and frees; caching is part of an allocation's cost, as in vLLM -- and times lookups."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.ops = 0
-        self.lookups = 0
-        self.lookup_ns = 0
-
-    def lookup(self, request):
-        t = time.perf_counter_ns()
-        hit = super().lookup(request)
-        self.lookup_ns += time.perf_counter_ns() - t
-        self.lookups += 1
-        self.ops += 1
-        return hit
-
-    def allocate_slots(self, *args, **kwargs):
-        self.ops += 1
-        return super().allocate_slots(*args, **kwargs)
-
-    def free(self, request):
-        self.ops += 1
-        return super().free(request)
+class CountingManager(CountingMixin, KVCacheManager):
+    """kvproof's manager, counted as vLLM's is (benchmarks/counting.py)."""
 
 
 def run_kvproof(trace, layout, num_blocks, budget):
-    kv = CountingManager(layout, num_blocks)
-    sched = Scheduler(kv, max_num_batched_tokens=budget)
-    for t in trace:
-        sched.add_request(Request(t.id, t.prompt, layout.hash_block_size, arrival=t.arrival, expected_outputs=t.output))
-    start = time.perf_counter()
-    while sched.has_unfinished():
-        sched.finish_step(sched.schedule())
-    seconds = time.perf_counter() - start
-    cached = sum(r.num_cached_tokens or 0 for r in sched.finished)
-    prompt = sum(r.num_prompt_tokens for r in sched.finished)
-    return {
-        "ops": kv.ops, "seconds": seconds, "ops_per_s": kv.ops / seconds,
-        "us_per_lookup": kv.lookup_ns / max(kv.lookups, 1) / 1000, "hit_rate": cached / prompt,
-        "copies": kv.num_copies, "steps": sched.step,
-    }
+    return drive(CountingManager(layout, num_blocks), trace, layout, budget)
 
 
 def measured(run, *args) -> dict:

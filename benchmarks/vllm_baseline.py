@@ -26,11 +26,9 @@ which the scheduler side never reads except to compute page sizes nothing here u
 
 from __future__ import annotations
 
-import ast
 import os
 import sys
-import time
-from typing import Any, Optional
+from typing import Optional
 
 # vLLM is optional for kvproof: importing this module without it raises ImportError, which
 # benchmarks/manager.py turns into "kvproof only".
@@ -50,7 +48,10 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request as VllmRequest
 from vllm.v1.request import RequestStatus
 
-from kvproof.impl.request import Request
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ is not a package
+from counting import CountingMixin, drive  # noqa: E402
+
+from kvproof.impl.request import Request  # noqa: E402
 from kvproof.spec.groups import CacheGroup, GroupKind, MambaCacheMode
 from kvproof.spec.layout import Layout
 
@@ -361,133 +362,24 @@ class VllmManagerAdapter:
         return tuple(self.vkv.get_block_ids(request.request_id))
 
 
-# --- counting, as benchmarks/manager.py counts kvproof's manager --------------------------------
-#
-# The two columns are only comparable if both managers count the same calls. Rather than keep a
-# copy of CountingManager's choice here (it has changed before), the counted set is read off that
-# class at run time: every public method it overrides counts one op per call, and ``lookup`` is
-# also timed. A ``CountingMixin`` in manager.py, if the lead adds one, is used as is instead.
-
-#: Used only when benchmarks/manager.py cannot be imported (e.g. this module used on its own).
-DEFAULT_COUNTED_METHODS = ("lookup", "allocate_slots", "free")
-
-
-_MANAGER_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "manager.py")
-
-
-def _benchmark_module():
-    """benchmarks/manager.py if this process already loaded it (as ``__main__`` when it is the
-    script), else None. Never imported from here: importing it has side effects (it drops
-    ICONTRACT_SLOW from the environment)."""
-    for name in ("__main__", "manager"):
-        mod = sys.modules.get(name)
-        if mod is not None and hasattr(mod, "CountingManager") and hasattr(mod, "run_kvproof"):
-            return mod
-    return None
-
-
-_COUNTING_CLASSES = ("CountingMixin", "CountingManager")  # where manager.py may keep its counters
-
-
-def counted_methods() -> tuple[str, ...]:
-    """The manager calls that count as ops: the public methods benchmarks/manager.py's counting
-    class defines (a ``CountingMixin`` if it has one, else ``CountingManager``) -- read from the
-    loaded class, or parsed from the file without running it -- else
-    :data:`DEFAULT_COUNTED_METHODS`."""
-    mod = _benchmark_module()
-    if mod is not None:
-        for name in _COUNTING_CLASSES:
-            cls = getattr(mod, name, None)
-            if cls is not None:
-                return tuple(sorted(n for n, v in vars(cls).items() if callable(v) and not n.startswith("_")))
-    try:
-        with open(_MANAGER_PY, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-    except OSError:
-        return DEFAULT_COUNTED_METHODS
-    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
-    for name in _COUNTING_CLASSES:
-        if name in classes:
-            return tuple(sorted(
-                n.name for n in classes[name].body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")
-            ))
-    return DEFAULT_COUNTED_METHODS
-
-
-def _counting(name: str, timed: bool):
-    """A method that counts one op and calls the adapter's ``name`` (timing it if ``timed``)."""
-    inner = getattr(VllmManagerAdapter, name)
-    if timed:
-        def method(self, *args, **kwargs):
-            t = time.perf_counter_ns()
-            out = inner(self, *args, **kwargs)
-            self.lookup_ns += time.perf_counter_ns() - t
-            self.lookups += 1
-            self.ops += 1
-            return out
-    else:
-        def method(self, *args, **kwargs):
-            self.ops += 1
-            return inner(self, *args, **kwargs)
-    method.__name__ = method.__qualname__ = name
-    return method
-
-
-class _CountingState:
-    """CountingManager's counters (set up before the adapter's own ``__init__``)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.ops = 0
-        self.lookups = 0
-        self.lookup_ns = 0
-
-
-def counting_adapter_class() -> type:
-    """An adapter class instrumented as kvproof's benchmark instruments its manager, now."""
-    mod = _benchmark_module()
-    mixin = getattr(mod, "CountingMixin", None) if mod is not None else None
-    if mixin is not None:
-        return type("CountingVllmAdapter", (mixin, VllmManagerAdapter), {})
-    methods = {}
-    for name in counted_methods():
-        if not callable(getattr(VllmManagerAdapter, name, None)):
-            raise TypeError(f"benchmarks/manager.py counts {name!r}, which the vLLM adapter does not have")
-        methods[name] = _counting(name, timed=name == "lookup")
-    return type("CountingVllmAdapter", (_CountingState, VllmManagerAdapter), methods)
-
-
 # --- the benchmark entry point -------------------------------------------------------------------
+
+class CountingVllmAdapter(CountingMixin, VllmManagerAdapter):
+    """vLLM's manager, counted as kvproof's is (benchmarks/counting.py)."""
+
 
 def run_vllm(trace, layout, num_blocks, budget, *, retention_interval: Optional[int] = None,
              full_sequence_must_fit: bool = True) -> dict:
     """``run_kvproof`` (benchmarks/manager.py) with vLLM's manager: same driver, same trace,
     same keys. Mirror requests are built (and their prompts hashed) before the clock starts, as
     kvproof's requests are."""
-    from kvproof.impl.scheduler import Scheduler
-
-    kv = counting_adapter_class()(
+    kv = CountingVllmAdapter(
         layout, num_blocks, max_num_batched_tokens=budget,
         full_sequence_must_fit=full_sequence_must_fit, retention_interval=retention_interval,
     )
     for msg in kv.disagreements:
         print(f"# vLLM vs kvproof layout: {msg}", file=sys.stderr)
-    sched = Scheduler(kv, max_num_batched_tokens=budget)
-    for t in trace:
-        req = Request(t.id, t.prompt, layout.hash_block_size, arrival=t.arrival, expected_outputs=t.output)
-        kv.register(req)
-        sched.add_request(req)
-    start = time.perf_counter()
-    while sched.has_unfinished():
-        sched.finish_step(sched.schedule())
-    seconds = time.perf_counter() - start
-    cached = sum(r.num_cached_tokens or 0 for r in sched.finished)
-    prompt = sum(r.num_prompt_tokens for r in sched.finished)
-    return {
-        "ops": kv.ops, "seconds": seconds, "ops_per_s": kv.ops / seconds,
-        "us_per_lookup": kv.lookup_ns / max(kv.lookups, 1) / 1000, "hit_rate": cached / prompt,
-        "copies": kv.num_copies, "steps": sched.step,
-    }
+    return drive(kv, trace, layout, budget, on_request=kv.register)
 
 
 # --- stand-alone: vLLM's side of benchmarks/manager.py in full -----------------------------------
@@ -498,7 +390,6 @@ def main(argv=None) -> int:
     production default ``prefix_cache_retention_interval=0``."""
     import argparse
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from workloads import shared_prefix_workload
 
     from kvproof.cli.layout_args import parse_group

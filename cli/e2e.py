@@ -38,17 +38,11 @@ def run(args: argparse.Namespace) -> int:
     from kvproof.e2e.model import ModelConfig
     from kvproof.e2e.runner import TOLERANCE, E2EOptions, run_e2e
     from kvproof.impl.scheduler import CapacityError
-    from kvproof.impl.trace import TraceError, parse_trace
+    from kvproof.impl.trace import read_trace
 
     try:
         config = layout_config_from_args(args, allow_partial_hash_hits=not args.no_partial_hash_hits)
-        try:
-            with open(args.trace, encoding="utf-8") as f:
-                trace = parse_trace(f)
-        except OSError as e:
-            raise ValueError(f"cannot read trace {args.trace!r}: {e.strerror}") from None
-        except TraceError as e:
-            raise ValueError(f"{args.trace}: {e}") from None
+        trace = read_trace(args.trace)
         options = E2EOptions(
             num_blocks=args.num_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
             model=dataclasses.replace(ModelConfig(), seed=args.seed),

@@ -31,7 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvproof.impl.replay import replay
     from kvproof.impl.scheduler import CapacityError
-    from kvproof.impl.trace import TraceError, parse_trace
+    from kvproof.impl.trace import read_trace
     from kvproof.spec.layout import resolve_layout
 
     try:
@@ -40,13 +40,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"num_blocks {args.num_blocks} must be >= 2 (block 0 is the null block)")
         if args.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens {args.max_num_batched_tokens} must be >= 1")
-        try:
-            with open(args.trace, encoding="utf-8") as f:
-                trace = parse_trace(f)
-        except OSError as e:
-            raise ValueError(f"cannot read trace {args.trace!r}: {e.strerror}") from None
-        except TraceError as e:
-            raise ValueError(f"{args.trace}: {e}") from None
+        trace = read_trace(args.trace)
         result = replay(
             trace, layout, args.num_blocks, args.max_num_batched_tokens,
             use_eagle=args.eagle, oracle=not args.no_oracle,

@@ -81,6 +81,18 @@ def parse_trace(lines: Iterable[str]) -> list[TraceRequest]:
     return out
 
 
+def read_trace(path: str) -> list[TraceRequest]:
+    """Parse the trace file at ``path``. Raises ValueError naming the file (and for a malformed
+    line, the line number and the problem)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return parse_trace(f)
+    except OSError as e:
+        raise ValueError(f"cannot read trace {path!r}: {e.strerror}") from None
+    except TraceError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
 def dump_trace(requests: Iterable[TraceRequest]) -> str:
     return "".join(
         json.dumps({"id": r.id, "prompt": list(r.prompt), "output": list(r.output), "arrival": r.arrival, "cache_salt": r.cache_salt}) + "\n"
