@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from kvproof import __version__
 from kvproof.cli import e2e, geometry, prove, replay
-from kvproof.cli.errors import EXIT_BAD_INPUT, OneLineArgumentParser
+from kvproof.cli.errors import EXIT_BAD_INPUT, EXIT_OK, OneLineArgumentParser
 
 #: Subcommand modules; each has ``add_parser(subparsers)`` and sets ``run`` as a default.
 COMMANDS = (geometry, replay, prove, e2e)
@@ -30,7 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_BAD_INPUT
-    return args.run(args)
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading: not an error
+        # Python flushes stdout again at exit; point it at /dev/null so that cannot fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -115,3 +115,11 @@ def test_console_script_runs_without_torch_and_without_traceback():
         capture_output=True, text=True,
     )
     assert probe.stderr.strip().endswith("False"), "the geometry command must not import torch"
+
+
+def test_output_into_a_closed_pipe_is_not_an_error():
+    proc = subprocess.run(
+        f"{sys.executable} -m kvproof geometry --preset kimi-k3 | head -c 10",
+        shell=True, capture_output=True, text=True,
+    )
+    assert proc.stdout == "group  kin" and "Traceback" not in proc.stderr
