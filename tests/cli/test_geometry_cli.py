@@ -117,9 +117,18 @@ def test_console_script_runs_without_torch_and_without_traceback():
     assert probe.stderr.strip().endswith("False"), "the geometry command must not import torch"
 
 
-def test_output_into_a_closed_pipe_is_not_an_error():
-    proc = subprocess.run(
-        f"{sys.executable} -m kvproof geometry --preset kimi-k3 | head -c 10",
-        shell=True, capture_output=True, text=True,
-    )
-    assert proc.stdout == "group  kin" and "Traceback" not in proc.stderr
+def test_output_into_a_closed_pipe_is_not_an_error(monkeypatch):
+    """A reader that stops early (`kvproof ... | head`) ends the command quietly, exit 0."""
+    import os
+
+    from kvproof.cli import geometry
+
+    def closed_pipe(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    redirected = []
+    monkeypatch.setattr(geometry, "run", closed_pipe)
+    monkeypatch.setattr(os, "dup2", lambda fd, fd2: redirected.append(fd2))
+    monkeypatch.setattr(sys.stdout, "fileno", lambda: 1, raising=False)
+    assert main(["geometry"]) == 0
+    assert redirected == [1]  # stdout now points at /dev/null, so the exit flush cannot fail
