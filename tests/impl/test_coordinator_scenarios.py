@@ -131,9 +131,12 @@ def test_eagle_drops_one_hash_unit():
     assert blocks is not None and all(len(b) * bs >= 4 for b, bs in zip(hit.blocks, (8, 4)))
 
 
-def test_sliding_window_forces_block_aligned_hits():
-    """FA 2 / Mamba 8 plus a replicated window group of 4: partial hits off; hits at S = 8."""
-    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 8), CacheGroup(SWA, 4, sliding_window=8)])
+def test_sliding_window_forces_block_aligned_hits(caplog):
+    """FA 2 / Mamba 8 plus a replicated window group of 4: partial hits off, with a warning
+    naming the window group; hits at S = 8."""
+    with caplog.at_level("WARNING", logger="kvproof"):
+        kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 8), CacheGroup(SWA, 4, sliding_window=8)])
+    assert any("falling back to block-aligned" in r.message and "sliding_window:4" in r.message for r in caplog.records)
     assert not kv.layout.partial_hash_hits and kv.layout.cache_hit_alignment == 8
     prompt = list(range(12))
     run_chunks(kv, req("p", prompt, kv), [8, 4])
