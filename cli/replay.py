@@ -24,6 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--eagle", action="store_true", help="EAGLE/MTP: hits drop one hash unit for the draft")
     p.add_argument("--no-partial-hash-hits", action="store_true", help="hits only on whole scheduler blocks")
     p.add_argument("--no-oracle", action="store_true", help="skip the content oracle (faster; structural checks stay on)")
+    p.add_argument("--slow", action="store_true", help="also run the whole-state checks after every step (slow tier)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         trace = read_trace(args.trace)
         result = replay(
             trace, layout, args.num_blocks, args.max_num_batched_tokens,
-            use_eagle=args.eagle, oracle=not args.no_oracle,
+            use_eagle=args.eagle, oracle=not args.no_oracle, slow=args.slow,
         )
     except (ValueError, CapacityError) as e:
         return fail_bad_input(PROG, str(e))

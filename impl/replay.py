@@ -38,11 +38,14 @@ def replay(
     max_num_batched_tokens: int = 2048,
     use_eagle: bool = False,
     oracle: bool = True,
+    slow: bool = False,
     max_steps: int = 1_000_000,
     on_step: Optional[Callable[[StepPlan, Scheduler], None]] = None,
 ) -> ReplayResult:
     """Run ``trace`` to completion. An invariant violation stops the replay and is reported
-    (with the oracle's findings) in ``violations``; CapacityError propagates (bad input)."""
+    (with the oracle's findings) in ``violations``; CapacityError propagates (bad input).
+    ``slow`` adds the whole-state checks (pool conservation, table references) after every
+    step, the slow tier."""
     kv = KVCacheManager(layout, num_blocks, use_eagle=use_eagle)
     sched = Scheduler(kv, max_num_batched_tokens=max_num_batched_tokens)
     requests = [
@@ -71,6 +74,8 @@ def replay(
             for req in sched.finish_step(plan):
                 if watcher is not None:
                     watcher.forget(req)
+            if slow:
+                kv._check()
             if watcher is not None and watcher.violations:
                 break
     except InvariantViolation as e:

@@ -53,6 +53,17 @@ def test_preemption_under_a_small_pool(capsys, tmp_path):
     assert data["totals"]["evictions"] > 0  # 30 blocks cannot keep every cached prefix
 
 
+def test_slow_tier_checks_every_step(capsys, k3_trace, monkeypatch):
+    from kvproof.impl.kv_cache_manager import KVCacheManager
+
+    calls = []
+    real = KVCacheManager._check
+    monkeypatch.setattr(KVCacheManager, "_check", lambda self: calls.append(1) or real(self))
+    code, data, _ = replay_json(capsys, k3_trace, *K3, "--dcp", "2", "--slow")
+    assert code == 0 and data["violations"] == []
+    assert len(calls) == data["totals"]["steps"]
+
+
 def test_table_output(capsys, k3_trace):
     assert main(["replay", k3_trace, *K3, "--dcp", "2"]) == 0
     out = capsys.readouterr().out
