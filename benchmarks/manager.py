@@ -23,9 +23,8 @@ os.environ.pop("ICONTRACT_SLOW", None)  # staging configuration: cheap tier only
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from counting import CountingMixin, drive  # noqa: E402
-from workloads import shared_prefix_workload  # noqa: E402
+from workloads import add_workload_arguments, workload_from_args  # noqa: E402
 
-from kvproof.cli.layout_args import parse_group  # noqa: E402
 from kvproof.impl.kv_cache_manager import KVCacheManager  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
 
@@ -51,25 +50,11 @@ def measured(run, *args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=2000)
-    p.add_argument("--prefixes", type=int, default=20)
-    p.add_argument("--prefix-len", type=int, default=1024)
-    p.add_argument("--suffix-len", type=int, nargs=2, default=(32, 256))
-    p.add_argument("--output-len", type=int, nargs=2, default=(8, 64))
-    p.add_argument("--arrivals-per-step", type=int, default=8)
-    p.add_argument("--group", action="append", help="as for kvproof geometry (default full_attention:64, mamba:64)")
-    p.add_argument("--dcp", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--num-blocks", type=int, default=20000)
-    p.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
-    p.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(p)
     p.add_argument("--repeat", type=int, default=3, help="runs per side, interleaved; the best is reported")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM baseline even if vLLM is installed")
     args = p.parse_args(argv)
-    groups = tuple(parse_group(g) for g in (args.group or ["full_attention:64", "mamba:64"]))
-    trace = shared_prefix_workload(
-        args.requests, args.prefixes, args.prefix_len, tuple(args.suffix_len), tuple(args.output_len),
-        args.arrivals_per_step, seed=args.seed,
-    )
+    groups, trace = workload_from_args(args)
     baseline = None
     if not args.no_vllm:
         try:

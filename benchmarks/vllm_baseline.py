@@ -390,31 +390,16 @@ def main(argv=None) -> int:
     production default ``prefix_cache_retention_interval=0``."""
     import argparse
 
-    from workloads import shared_prefix_workload
+    from workloads import add_workload_arguments, workload_from_args
 
-    from kvproof.cli.layout_args import parse_group
     from kvproof.spec.layout import LayoutConfig, resolve_layout
 
     p = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=2000)
-    p.add_argument("--prefixes", type=int, default=20)
-    p.add_argument("--prefix-len", type=int, default=1024)
-    p.add_argument("--suffix-len", type=int, nargs=2, default=(32, 256))
-    p.add_argument("--output-len", type=int, nargs=2, default=(8, 64))
-    p.add_argument("--arrivals-per-step", type=int, default=8)
-    p.add_argument("--group", action="append", help="as for kvproof geometry (default full_attention:64, mamba:64)")
-    p.add_argument("--dcp", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--num-blocks", type=int, default=20000)
-    p.add_argument("--budget", type=int, default=8192)
-    p.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(p)
     args = p.parse_args(argv)
-    groups = tuple(parse_group(g) for g in (args.group or ["full_attention:64", "mamba:64"]))
-    trace = shared_prefix_workload(
-        args.requests, args.prefixes, args.prefix_len, tuple(args.suffix_len), tuple(args.output_len),
-        args.arrivals_per_step, seed=args.seed,
-    )
+    groups, trace = workload_from_args(args)
     print(f"# vLLM 0.33 manager, {args.requests} requests, groups {', '.join(g.label for g in groups)}; "
-          f"ops = {'+'.join(counted_methods())}")
+          f"ops = lookup+allocate_slots+free")
     print(f"{'dcp':>3}  {'retention':>9}  {'ops':>7}  {'ops/s':>8}  {'us/lookup':>9}  {'hit rate':>8}  "
           f"{'copies':>6}  {'steps':>5}")
     for dcp in args.dcp:

@@ -28,3 +28,30 @@ def shared_prefix_workload(
         outputs = tuple(rng.randrange(vocab) for _ in range(rng.randint(*output_len)))
         out.append(TraceRequest(f"r{i}", rng.choice(prefixes) + suffix, outputs, arrival=i // arrivals_per_step))
     return out
+
+
+def add_workload_arguments(parser) -> None:
+    """The workload and layout flags every scheduler-side benchmark takes."""
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--prefixes", type=int, default=20)
+    parser.add_argument("--prefix-len", type=int, default=1024)
+    parser.add_argument("--suffix-len", type=int, nargs=2, default=(32, 256))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(8, 64))
+    parser.add_argument("--arrivals-per-step", type=int, default=8)
+    parser.add_argument("--group", action="append", help="as for kvproof geometry (default full_attention:64, mamba:64)")
+    parser.add_argument("--dcp", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--num-blocks", type=int, default=20000)
+    parser.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def workload_from_args(args):
+    """``(groups, trace)`` for the flags of :func:`add_workload_arguments`."""
+    from kvproof.cli.layout_args import parse_group
+
+    groups = tuple(parse_group(g) for g in (args.group or ["full_attention:64", "mamba:64"]))
+    trace = shared_prefix_workload(
+        args.requests, args.prefixes, args.prefix_len, tuple(args.suffix_len), tuple(args.output_len),
+        args.arrivals_per_step, seed=args.seed,
+    )
+    return groups, trace

@@ -1,0 +1,33 @@
+"""The scheduler-side benchmark scripts run (tiny sizes): a speed table nobody can produce is
+not a benchmark."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+TINY = ["--requests", "12", "--prefixes", "2", "--prefix-len", "64", "--suffix-len", "4", "16",
+        "--output-len", "1", "4", "--num-blocks", "400", "--budget", "256", "--dcp", "1", "2"]
+
+
+def run(script, *args):
+    return subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_manager_benchmark_runs():
+    proc = run("manager.py", *TINY, "--repeat", "1", "--no-vllm")
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line[:3].strip().isdigit()]
+    assert [r[0] for r in rows] == ["1", "2"] and all(float(r[2].replace(",", "")) > 0 for r in rows)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_vllm_baseline_script_runs():
+    proc = run("vllm_baseline.py", *TINY)
+    assert proc.returncode == 0, proc.stderr
+    assert "dense" in proc.stdout
