@@ -51,6 +51,24 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mamba-cache-mode", choices=MAMBA_MODE_NAMES, help="cache mode of every Mamba group")
     g.add_argument("--num-speculative-blocks", type=int, help="speculative state blocks of every Mamba group")
     g.add_argument("--interleave", type=int, default=1, help="DCP interleave size I (tokens per rank run)")
+    g.add_argument(
+        "--retention-interval", default="0", metavar="{none,0,K}",
+        help="which Mamba states stay cached: 'none' every chunk end; 0 (default, as in vLLM) replay "
+        "boundaries and shared-prefix junctions only; K also one per K-token segment",
+    )
+    g.add_argument(
+        "--shared-prefix-checkpoint", action="store_true",
+        help="end a prefill chunk exactly at a shared-prefix junction (default: at the Mamba block below it)",
+    )
+
+
+def parse_retention(text: str) -> int | None:
+    """``none`` -> None (dense), else a non-negative integer (ValueError naming the value)."""
+    if text == "none":
+        return None
+    if not text.isascii() or not text.isdigit():
+        raise ValueError(f"retention interval {text!r} must be 'none' or a non-negative integer")
+    return int(text)
 
 
 def layout_config_from_args(args: argparse.Namespace, allow_partial_hash_hits: bool = True) -> LayoutConfig:
@@ -75,4 +93,6 @@ def layout_config_from_args(args: argparse.Namespace, allow_partial_hash_hits: b
         hash_block_size=args.hash_block_size,
         interleave=args.interleave,
         allow_partial_hash_hits=allow_partial_hash_hits,
+        retention_interval=parse_retention(args.retention_interval),
+        shared_prefix_checkpoint=args.shared_prefix_checkpoint,
     )

@@ -35,6 +35,14 @@ class LayoutConfig:
     hash_block_size: int | None = None
     interleave: int = 1
     allow_partial_hash_hits: bool = True
+    #: Which Mamba / sliding-window states stay cached (vLLM's
+    #: ``prefix_cache_retention_interval``): ``None`` keeps every chunk end ("dense"); ``0``
+    #: (vLLM's production default) keeps only replay boundaries and shared-prefix junctions;
+    #: ``K > 0`` also keeps one state per K-token segment (K a multiple of the scheduler block).
+    retention_interval: int | None = 0
+    #: Stop a prefill chunk exactly at a shared-prefix junction, not at the Mamba block below it
+    #: (vLLM's ``enable_mamba_shared_prefix_checkpoint``).
+    shared_prefix_checkpoint: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +109,23 @@ def validate_config(config: LayoutConfig) -> None:
             )
 
 
+def _check_retention(config: LayoutConfig, scheduler_block: int) -> None:
+    r = config.retention_interval
+    if r is None:
+        return
+    if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+        raise ValueError(f"retention_interval {r!r} must be None (dense), 0 or a positive multiple of the scheduler block")
+    sparse_groups = any(g.kind in (GroupKind.MAMBA, GroupKind.SLIDING_WINDOW) for g in config.groups)
+    if r and not sparse_groups:
+        raise ValueError(
+            f"retention_interval {r} has no effect without a Mamba or sliding-window group; expected 0 or none"
+        )
+    if r % scheduler_block:
+        raise ValueError(
+            f"retention_interval {r} must be a multiple of the scheduler block size {scheduler_block}"
+        )
+
+
 @icontract.ensure(
     lambda result: all(
         gl.table_width >= gl.max_num_blocks_per_req for gl in result.groups
@@ -115,6 +140,7 @@ def resolve_layout(config: LayoutConfig) -> Layout:
     h = hash_block_size(groups, dcp, config.hash_block_size)
     partial = partial_hash_hits(groups, dcp, h, config.allow_partial_hash_hits)
     a = cache_hit_alignment(s, h, partial.enabled)
+    _check_retention(config, s)
     warnings = [partial.warning] if partial.warning else []
     for i, g in enumerate(groups):
         if not g.prefix_cacheable:
