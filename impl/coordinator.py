@@ -66,7 +66,8 @@ class HybridCoordinator:
         self._lookup_order = tuple(sorted(self.managers, key=lambda m: not m.group.kind.is_attention))
         self._first_block = self._lookup_order[0].block_size
         self._cacheable = all(m.group.prefix_cacheable for m in self.managers)
-        self._miss = Hit(0, tuple([] for _ in self.managers))
+        #: The empty hit (no tokens, no blocks, no junctions).
+        self.miss = Hit(0, tuple([] for _ in self.managers))
         #: Longest request every group's worker row can hold (checked in full only above it).
         self._max_tokens = min(m.max_tokens for m in self.managers)
 
@@ -82,11 +83,11 @@ class HybridCoordinator:
         hit = min(bound, request.hashed_len)
         hit -= hit % self.alignment
         if not self._cacheable or hit <= 0:
-            return self._miss
+            return self.miss
         finders = [lambda n, m=m: m.find_hit(request, n) for m in self._lookup_order]
         hit, found, longest, _ = fixpoint(finders, hit)
         if hit == 0 and longest == 0:
-            return self._miss
+            return self.miss
         blocks = [[] for _ in self.managers] if hit == 0 else [None] * len(self.managers)
         if hit:
             for m, bl in zip(self._lookup_order, found):

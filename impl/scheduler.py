@@ -143,25 +143,40 @@ class Scheduler:
         self.running = [r for r in queue]
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hit = self.kv.lookup(req)
-            req.junctions = hit.junctions
-            start = hit.num_tokens
-            end = self._chunk_end(req, start, min(req.num_tokens - start, cap, budget))
-            if end == start:
-                break  # FCFS: the head waits for a step with budget for an aligned chunk
-            blocks = self.kv.allocate_slots(req, end - start, hit)
-            if blocks is None:
-                if not self.running and not chunks:
-                    raise CapacityError(
-                        f"request {req.request_id!r} cannot get blocks for {end} tokens even with an empty pool "
-                        f"({self.kv.pool.num_blocks - 1} blocks); raise --num-blocks"
-                    )
-                break
+            admitted = self._admit(req, min(cap, budget), alone=not self.running and not chunks)
+            if admitted is None:
+                break  # FCFS: the head waits (for budget for an aligned chunk, or for blocks)
             self.waiting.popleft()
             self.running.append(req)
-            chunks.append(ScheduledChunk(req, start, end - start, blocks, overwrite=True))
-            budget -= end - start
+            chunks.append(admitted)
+            budget -= admitted.num_tokens
         return StepPlan(self.step, chunks, self.kv.take_block_copies(), preempted)
+
+    def _admit(self, req: Request, limit: int, alone: bool) -> ScheduledChunk | None:
+        """Mutates unless it returns None. Look ``req`` up and allocate its first chunk (at most
+        ``limit`` tokens). When it is ``alone`` in the step and its hit costs more blocks than
+        the pool has, fall back to cheaper hits (``KVCacheManager.cheaper_hits``): a request
+        that fits an empty pool without a hit is always admitted. Raises CapacityError when
+        not even that fits."""
+        hit = self.kv.lookup(req)
+        fallbacks = self.kv.cheaper_hits(req, hit) if alone else iter(())
+        while True:
+            req.junctions = hit.junctions
+            start = hit.num_tokens
+            end = self._chunk_end(req, start, min(req.num_tokens - start, limit))
+            if end == start:
+                return None
+            blocks = self.kv.allocate_slots(req, end - start, hit)
+            if blocks is not None:
+                return ScheduledChunk(req, start, end - start, blocks, overwrite=True)
+            hit = next(fallbacks, None)
+            if hit is None:
+                if alone:
+                    raise CapacityError(
+                        f"request {req.request_id!r} cannot get blocks for {end} tokens even with the pool to itself "
+                        f"({self.kv.pool.num_blocks - 1} blocks, {self.kv.pool.num_free} free); raise --num-blocks"
+                    )
+                return None
 
     def _preempt(self, request: Request, preempted: list[Request]) -> None:
         self.kv.free(request)
