@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Mapping
 
 import z3
 
-from kvproof.proofs.registry import ERROR, PROVED, REFUTED, UNREFUTED, Obligation, Outcome
+from kvproof.proofs.registry import ERROR, PROVED, REFUTED, TIMEOUT, Obligation, Outcome
 
 
 class Vars:
@@ -173,18 +173,21 @@ def check_lemma(lemma: Lemma, budget: float) -> Outcome:
         s = _solver(int(1000 * max(MIN_STEP_SECONDS, left / (len(lemma.steps) - i))))
         s.add(base, *proved, z3.Not(step(v)))
         result = s.check()
+        reason = s.reason_unknown() if result == z3.unknown else ""
         if result == z3.unsat:
             proved.append(step(v))
             continue
         if i == len(lemma.steps) - 1 and result == z3.sat:
             return _refuted(lemma, v, s)
         # An intermediate step failed: look for a counterexample to the claim itself.
-        s = _solver(int(1000 * max(left / 2, 0.5)))
+        s = _solver(int(1000 * max(MIN_STEP_SECONDS, left / 2)))
         s.add(base, z3.Not(lemma.steps[-1](v)))
         if s.check() == z3.sat:
             return _refuted(lemma, v, s)
-        why = "timed out" if result == z3.unknown else "does not follow"
-        return Outcome(UNREFUTED, detail=f"step {i + 1} of {len(lemma.steps)} {why}")
+        if result == z3.unknown:
+            return Outcome(TIMEOUT, detail=f"step {i + 1} of {len(lemma.steps)} timed out ({reason})")
+        # The step is false somewhere the claim is not: the proof script, not the spec, is wrong.
+        return Outcome(ERROR, detail=f"step {i + 1} of {len(lemma.steps)} does not follow from the steps before it")
     return Outcome(PROVED, detail=f"{len(lemma.steps)} steps, for all integers in the domain")
 
 
@@ -209,6 +212,6 @@ def check_lemmas(lemmas: tuple[Lemma, ...], budget: float) -> Outcome:
     return Outcome(PROVED, detail=f"{steps} steps, for all integers in the domain")
 
 
-def lemma_obligation(id: str, invariants: tuple[str, ...], statement: str, *lemmas: Lemma, weight: float = 1.0):
+def lemma_obligation(id: str, invariants: tuple[str, ...], statement: str, *lemmas: Lemma):
     """An :class:`~kvproof.proofs.registry.Obligation` discharged by proving ``lemmas``."""
-    return Obligation(id, invariants, "z3", statement, lambda budget: check_lemmas(lemmas, budget), weight)
+    return Obligation(id, invariants, "z3", statement, lambda budget: check_lemmas(lemmas, budget))
