@@ -19,7 +19,7 @@ block. A read compares content *identities*: two requests' KV at position ``q`` 
 token prefixes ``[0, q]`` (and cache salts) agree, which :class:`_Prefix` answers from an
 identity kept every ``_ANCHOR`` tokens plus one C-level hash of at most ``_ANCHOR`` tokens; a
 segment the reader wrote itself needs no hashing at all. A block already verified for a
-reader is not checked again until its page is overwritten or copied into (``_version``).
+reader is not checked again until its page is overwritten or copied into (``_changed``).
 """
 
 from __future__ import annotations
@@ -95,37 +95,46 @@ class ContentOracle:
         self._kv: dict[tuple[int, int], list[list[tuple[int, int, _Prefix]]]] = {}
         # (group, block) -> (prefix, n): the state after the first n tokens of prefix (every rank)
         self._states: dict[tuple[int, int], tuple[_Prefix, int]] = {}
-        # (group, block) -> bumped whenever earlier contents may have changed (overwrite, copy)
-        self._version: dict[tuple[int, int], int] = {}
+        # (group, block) -> {request: row index} of the requests whose reads of it were verified
+        self._readers: dict[tuple[int, int], dict[str, int]] = {}
         self.rows: dict[str, list[list[int]]] = {}
         self._prefixes: dict[str, _Prefix] = {}
-        # (request, group) -> per row index: (block, version, verified up to this position)
-        self._verified: dict[tuple[str, int], dict[int, tuple[int, int, int]]] = {}
+        # (request, group) -> positions [0, n) verified, unchanged since (see _changed)
+        self._verified: dict[tuple[str, int], int] = {}
         self.violations: list[str] = []
 
     # --- one step -------------------------------------------------------------------------------
 
     def run_step(self, plan) -> None:
         """Apply a scheduled step: rows, copies (batched), then each chunk's reads and writes."""
+        work = []
         for chunk in plan.chunks:
             rid = chunk.request.request_id
             if chunk.overwrite or rid not in self.rows:
-                self.rows[rid] = [list(b) for b in chunk.new_blocks]
+                rows = self.rows[rid] = [list(b) for b in chunk.new_blocks]
                 for g in self.groups:
                     self._verified.pop((rid, g.gid), None)
             else:
-                for row, new in zip(self.rows[rid], chunk.new_blocks):
-                    row.extend(new)
-            for g, row in zip(self.groups, self.rows[rid]):
+                rows = self.rows[rid]
+                grew = False
+                for row, new in zip(rows, chunk.new_blocks):
+                    if new:
+                        row.extend(new)
+                        grew = True
+                if not grew:  # a decode step: the row widths were checked when they last grew
+                    work.append((chunk, rid, rows, self._prefix(chunk.request)))
+                    continue
+            for g, row in zip(self.groups, rows):
                 if len(row) > g.width:
                     self._violation("INV-TABLE-WIDTH", f"request {rid!r}, group {g.gid}: row of {len(row)} entries > width {g.width}")
+            work.append((chunk, rid, rows, self._prefix(chunk.request)))
         self._copy(plan.copies)
-        for chunk in plan.chunks:
-            self._read_states(chunk)
-        for chunk in plan.chunks:
-            self._write(chunk)
-        for chunk in plan.chunks:
-            self._read_attention(chunk)
+        for chunk, rid, rows, prefix in work:
+            self._read_states(chunk, rid, rows, prefix)
+        for chunk, rid, rows, prefix in work:
+            self._write(chunk, rows, prefix)
+        for chunk, rid, rows, prefix in work:
+            self._read_attention(chunk, rid, rows, prefix)
 
     def forget(self, request) -> None:
         """Drop a finished or preempted request's row and identity (its blocks' contents stay)."""
@@ -157,6 +166,8 @@ class ContentOracle:
         if not g.sharded or hi - lo >= self.interleave * self.dcp:
             return range(self.dcp)
         il = self.interleave
+        if hi - lo == 1:
+            return (_owner_rank(lo, self.dcp, il),)
         return sorted({_owner_rank(p, self.dcp, il) for p in range(lo, hi, il)} | {_owner_rank(hi - 1, self.dcp, il)})
 
     def _last_owned(self, g: _Shape, rank: int, lo: int, hi: int) -> Optional[int]:
@@ -182,10 +193,13 @@ class ContentOracle:
         """(row index, block, first, end) for each row entry the positions ``[lo, hi)`` fall in,
         or None when they reach past the row. Entry i covers ``[i * span, (i + 1) * span)``
         (INV-SLOT-TABLE-INDEX), so only the two ends need the spec's ``table_index``."""
-        first, last = self._index(g, lo), self._index(g, hi - 1)
+        first = _table_index(lo, g.bs, self.dcp, g.sharded)
+        last = first if hi - lo == 1 else _table_index(hi - 1, g.bs, self.dcp, g.sharded)
         if last >= len(row):
             return None
         span = g.span
+        if first == last:
+            return ((first, row[first], lo, hi),)
         return [(i, row[i], max(lo, i * span), min(hi, (i + 1) * span)) for i in range(first, last + 1)]
 
     # --- copies and writes ----------------------------------------------------------------------
@@ -200,7 +214,7 @@ class ContentOracle:
         ]
         for gid, dst, kv, state in gathered:
             key = (gid, dst)
-            self._version[key] = self._version.get(key, 0) + 1
+            self._changed(key)
             if kv is None:
                 self._kv.pop(key, None)
             else:
@@ -210,16 +224,13 @@ class ContentOracle:
             else:
                 self._states[key] = state
 
-    def _write(self, chunk) -> None:
-        req = chunk.request
-        prefix = self._prefix(req)
+    def _write(self, chunk, rows, prefix: _Prefix) -> None:
         end = chunk.start + chunk.num_tokens
-        for g, row in zip(self.groups, self.rows[req.request_id]):
+        for g, row in zip(self.groups, rows):
             if g.state:
                 i = self._index(g, end - 1)
                 if i < len(row):
                     self._states[(g.gid, row[i])] = (prefix, end)
-                    self._bump((g.gid, row[i]))
                 continue
             for _, blk, lo, hi in self._blocks(g, row, chunk.start, end) or ():
                 key = (g.gid, blk)
@@ -228,12 +239,14 @@ class ContentOracle:
                     pages = self._kv[key] = [[] for _ in range(self.dcp)]
                 overwrote = False
                 for r in self._ranks(g, lo, hi):
-                    overwrote |= self._put(g, r, pages[r], lo, hi, prefix)
+                    segs = pages[r]
+                    last = segs[-1] if segs else None
+                    if last is not None and last[2] is prefix and (last[1] == lo or (last[1] < lo and self._owns_none(g, r, last[1], lo))):
+                        segs[-1] = (last[0], hi, prefix)  # our own KV continues: extend the segment
+                    else:
+                        overwrote |= self._put(g, r, segs, lo, hi, prefix)
                 if overwrote:
-                    self._bump(key)
-
-    def _bump(self, key) -> None:
-        self._version[key] = self._version.get(key, 0) + 1
+                    self._changed(key)
 
     def _put(self, g: _Shape, rank: int, segs: list, lo: int, hi: int, prefix: _Prefix) -> bool:
         """Record that rank's positions of ``[lo, hi)`` now hold ``prefix``'s KV; True when this
@@ -260,12 +273,11 @@ class ContentOracle:
 
     # --- reads ----------------------------------------------------------------------------------
 
-    def _read_states(self, chunk) -> None:
-        req, start = chunk.request, chunk.start
+    def _read_states(self, chunk, rid: str, rows, prefix: _Prefix) -> None:
+        start = chunk.start
         if start == 0:
             return
-        prefix = self._prefix(req)
-        for g, row in zip(self.groups, self.rows[req.request_id]):
+        for g, row in zip(self.groups, rows):
             if not g.state:
                 continue
             i = self._index(g, start - 1)
@@ -274,21 +286,22 @@ class ContentOracle:
             if held is None or held[1] != start or not _same(held[0], prefix, start - 1):
                 self._violation(
                     "INV-CONTENT-STATE",
-                    f"request {req.request_id!r}, group {g.gid}, every rank: chunk at {start} reads state block {blk}, "
+                    f"request {rid!r}, group {g.gid}, every rank: chunk at {start} reads state block {blk}, "
                     f"which does not hold the state after exactly this request's first {start} tokens",
                 )
                 return
 
-    def _read_attention(self, chunk) -> None:
-        req = chunk.request
-        rid = req.request_id
-        prefix = self._prefix(req)
+    def _read_attention(self, chunk, rid: str, rows, prefix: _Prefix) -> None:
         end = chunk.start + chunk.num_tokens
-        for g, row in zip(self.groups, self.rows[rid]):
+        for g, row in zip(self.groups, rows):
             if g.state:
                 continue
             first = max(0, chunk.start - g.window + 1) if g.window else 0
-            blocks = self._blocks(g, row, first, end)
+            verified = self._verified.get((rid, g.gid), 0)
+            lo = max(first, verified)  # positions below `verified` were checked and not changed since
+            if lo >= end:
+                continue
+            blocks = self._blocks(g, row, lo, end)
             if blocks is None:
                 self._violation(
                     "INV-CONTENT-KV",
@@ -296,14 +309,9 @@ class ContentOracle:
                     f"past the {len(row)} entries the row holds",
                 )
                 return
-            verified = self._verified.setdefault((rid, g.gid), {})
-            for i, blk, lo, hi in blocks:
+            for i, blk, a, b in blocks:
                 key = (g.gid, blk)
-                version = self._version.get(key, 0)
-                seen = verified.get(i)
-                if seen is not None and seen[0] == blk and seen[1] == version and seen[2] >= hi:
-                    continue
-                bad = self._check_block(g, key, lo, hi, prefix)
+                bad = self._check_block(g, key, a, b, prefix)
                 if bad is not None:
                     self._violation(
                         "INV-CONTENT-KV",
@@ -311,15 +319,32 @@ class ContentOracle:
                         f"which does not hold this request's KV for it",
                     )
                     return
-                verified[i] = (blk, version, hi)
+                readers = self._readers.get(key)
+                if readers is None:
+                    readers = self._readers[key] = {}
+                readers[rid] = i
+            self._verified[(rid, g.gid)] = end
+
+    def _changed(self, key) -> None:
+        """Block ``key``'s earlier contents may have changed: its readers check it again."""
+        readers = self._readers.pop(key, None)
+        if readers:
+            span = self.groups[key[0]].span
+            for rid, i in readers.items():
+                k = (rid, key[0])
+                if self._verified.get(k, 0) > i * span:
+                    self._verified[k] = i * span
 
     def _check_block(self, g: _Shape, key, lo: int, hi: int, prefix: _Prefix) -> Optional[tuple[int, int]]:
         """None if every rank holds ``prefix``'s KV for its positions of ``[lo, hi)`` in block
         ``key``; else (rank, first position it lacks)."""
         pages = self._kv.get(key)
         for r in self._ranks(g, lo, hi):
+            segs = pages[r] if pages else ()
+            if segs and segs[-1][2] is prefix and segs[-1][0] <= lo and segs[-1][1] >= hi:
+                continue  # the reader's own KV, written in one piece (decode, own prefill)
             at = lo  # every position below ``at`` that rank r owns is verified
-            for a, b, p in pages[r] if pages else ():
+            for a, b, p in segs:
                 if b <= at or a >= hi:
                     continue
                 hole = self._last_owned(g, r, at, a)  # an owned position in [at, a) holds nothing
