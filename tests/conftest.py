@@ -1,5 +1,10 @@
 """Test-wide settings: slow-tier contracts on, Hypothesis profiles without deadlines
-(timing belongs in benchmarks, and CI machines are shared)."""
+(timing belongs in benchmarks, and CI machines are shared).
+
+``HYPOTHESIS_PROFILE=thorough`` raises every property test and state machine to at least the
+profile's example count, also those that fix ``max_examples`` for the everyday run (Hypothesis
+itself lets such a test's own setting win over the profile).
+"""
 
 from __future__ import annotations
 
@@ -13,4 +18,32 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 settings.register_profile("thorough", deadline=None, max_examples=2000, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default")
+settings.load_profile(PROFILE)
+
+
+def raise_to_profile(items, at_least: int) -> list[tuple[str, int]]:
+    """Give every Hypothesis test among ``items`` at least ``at_least`` examples; returns
+    ``(test id, max_examples)`` for each. Mutates the tests' settings."""
+    out = []
+    for item in items:
+        fn = getattr(item, "obj", None)
+        cls = getattr(item, "cls", None)
+        if fn is not None and hasattr(fn, "_hypothesis_internal_use_settings"):
+            own = fn._hypothesis_internal_use_settings
+            fn._hypothesis_internal_use_settings = settings(own, max_examples=max(own.max_examples, at_least))
+            out.append((item.nodeid, fn._hypothesis_internal_use_settings.max_examples))
+        elif cls is not None and isinstance(getattr(cls, "settings", None), settings):  # a state machine's TestCase
+            cls.settings = settings(cls.settings, max_examples=max(cls.settings.max_examples, at_least))
+            out.append((item.nodeid, cls.settings.max_examples))
+    return out
+
+
+def pytest_collection_modifyitems(config, items):
+    if PROFILE != "thorough":
+        return
+    reached = raise_to_profile(items, settings.get_profile("thorough").max_examples)
+    report = os.environ.get("KVPROOF_PROFILE_REPORT")
+    if report:  # tests/test_profiles.py reads which tests the profile reached
+        with open(report, "w") as f:
+            f.writelines(f"{nodeid}\t{n}\n" for nodeid, n in reached)
