@@ -135,3 +135,25 @@ def test_a_budget_that_is_not_a_finite_positive_number_exits_2(capsys, budget):
     assert main(["prove", "--budget", budget]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"--budget {float(budget)} must be a number of seconds in (0, 86400]" in err[0]
+
+
+#: One or more obligations of each method and of each kind of verdict, fast enough for the suite
+#: (.ci/run runs every obligation at the default budget).
+TWO_BUDGETS = ["--only", "LEM-CDIV", "--only", "LEM-OWNER-UNIQUE", "--only", "EXH-LOCAL-SEQ-LENS", "--only",
+               "EXH-SLOT-MAPPING", "--only", "CANARY-PARTIAL", "--only", "CANARY-SLOT", "--only", "CH-ARITH"]
+
+
+def test_verdicts_do_not_depend_on_the_budget():
+    """issue 11: the same obligations at the default budget and at four times it give the same
+    verdicts (each checker's effort is fixed; the budget is only a deadline)."""
+    from kvproof.proofs.runner import DEFAULT_BUDGET
+
+    def verdicts(*budget):
+        proc = subprocess.run([sys.executable, "-m", "kvproof.cli.main", "prove", "--json", *TWO_BUDGETS, *budget],
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return {d["id"]: (d["verdict"], d["counterexample"]) for d in json.loads(proc.stdout)}
+
+    default = verdicts()
+    assert {v for v, _ in default.values()} == {"proved", "checked", "refuted"}
+    assert verdicts("--budget", str(4 * DEFAULT_BUDGET)) == default

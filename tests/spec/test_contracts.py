@@ -126,3 +126,23 @@ def test_the_thorough_profile_reaches_every_property_test(tmp_path):
     assert len(reached) >= declared >= 20, (len(reached), declared)
     assert set(reached.values()) == {"2000"}
     assert any("test_block_pool_machine.py" in n for n in reached) and any("test_coordinator_machine.py" in n for n in reached)
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_replay_slow_turns_the_switch_on_for_the_run(slow):
+    """`kvproof replay --slow` (replay(slow=True)) runs every call with the slow switch on."""
+    from kvproof.impl.replay import replay
+    from kvproof.impl.trace import TraceRequest
+    from kvproof.spec.groups import CacheGroup, GroupKind
+    from kvproof.spec.layout import LayoutConfig, resolve_layout
+
+    layout = resolve_layout(LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, 4), CacheGroup(GroupKind.MAMBA, 4))))
+    seen = []
+    with contracts.slow_checks(False):
+        replay([TraceRequest("r", tuple(range(9)), (1, 2))], layout, 16, on_step=lambda plan, s: seen.append(contracts.slow()))
+        assert not contracts.slow()
+    assert seen and set(seen) == {False}
+    with contracts.slow_checks(False):
+        replay([TraceRequest("r", tuple(range(9)), (1, 2))], layout, 16, slow=slow,
+               on_step=lambda plan, s: seen.append(contracts.slow()))
+    assert set(seen[-2:]) == {slow}
