@@ -1,5 +1,11 @@
 """Test-wide settings: slow-tier contracts on, Hypothesis profiles without deadlines
-(timing belongs in benchmarks, and CI machines are shared)."""
+(timing belongs in benchmarks, and CI machines are shared).
+
+``HYPOTHESIS_PROFILE=thorough`` raises every property test and state machine to at least the
+profile's example count, also those that fix ``max_examples`` for the everyday run (Hypothesis
+itself lets such a test's own setting win over the profile); ``mutation`` (tools/mutation.py)
+caps every one at its count, derandomized, so that a mutant's verdict is repeatable.
+"""
 
 from __future__ import annotations
 
@@ -13,4 +19,44 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 settings.register_profile("thorough", deadline=None, max_examples=2000, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
+settings.register_profile(
+    "mutation", deadline=None, max_examples=30, derandomize=True, database=None,
+    suppress_health_check=list(HealthCheck),
+)
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default")
+settings.load_profile(PROFILE)
+
+
+def apply_profile(items, examples: int, at_least: bool) -> list[tuple[str, int]]:
+    """Give every Hypothesis test among ``items`` at least (``at_least``) or at most ``examples``
+    examples, with the loaded profile's other settings; returns ``(test id, max_examples)`` for
+    each. Mutates the tests' settings."""
+    pick = max if at_least else min
+    profile = settings.default
+    out = []
+    for item in items:
+        fn = getattr(item, "obj", None)
+        cls = getattr(item, "cls", None)
+        if fn is not None and hasattr(fn, "_hypothesis_internal_use_settings"):
+            own = fn._hypothesis_internal_use_settings
+            fn._hypothesis_internal_use_settings = settings(
+                own, max_examples=pick(own.max_examples, examples), derandomize=profile.derandomize, database=profile.database,
+            )
+            out.append((item.nodeid, fn._hypothesis_internal_use_settings.max_examples))
+        elif cls is not None and isinstance(getattr(cls, "settings", None), settings):  # a state machine's TestCase
+            cls.settings = settings(
+                cls.settings, max_examples=pick(cls.settings.max_examples, examples), derandomize=profile.derandomize,
+                database=profile.database,
+            )
+            out.append((item.nodeid, cls.settings.max_examples))
+    return out
+
+
+def pytest_collection_modifyitems(config, items):
+    if PROFILE not in ("thorough", "mutation"):
+        return
+    reached = apply_profile(items, settings.get_profile(PROFILE).max_examples, at_least=PROFILE == "thorough")
+    report = os.environ.get("KVPROOF_PROFILE_REPORT")
+    if report:  # tests/test_profiles.py reads which tests the profile reached
+        with open(report, "w") as f:
+            f.writelines(f"{nodeid}\t{n}\n" for nodeid, n in reached)
