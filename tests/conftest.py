@@ -9,12 +9,15 @@ caps every one at its count, derandomized, so that a mutant's verdict is repeata
 
 from __future__ import annotations
 
+import collections
 import os
+
+import pytest
 
 # Before any kvproof module is imported: whole-state (slow-tier) checks run in tests.
 os.environ.setdefault("ICONTRACT_SLOW", "1")
 
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, event, settings  # noqa: E402
 
 settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
@@ -60,3 +63,35 @@ def pytest_collection_modifyitems(config, items):
     if report:  # tests/test_profiles.py reads which tests the profile reached
         with open(report, "w") as f:
             f.writelines(f"{nodeid}\t{n}\n" for nodeid, n in reached)
+
+
+class Reach:
+    """What a property test's generated cases reached: ``reach(label)`` counts a case (and
+    records it as a ``hypothesis.event``); ``reach.minimums`` is what a fixed-seed run must
+    reach, checked after the test's last example."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter = collections.Counter()
+        self.minimums: dict[str, int] = {}
+
+    def __call__(self, label: str) -> None:
+        self.counts[label] += 1
+        event(label)
+
+    def shortfall(self) -> dict[str, tuple[int, int]]:
+        return {k: (self.counts[k], m) for k, m in self.minimums.items() if self.counts[k] < m}
+
+
+#: Hypothesis reuses function-scoped fixtures across a test's examples, as ``reach`` wants.
+REACH_SETTINGS = dict(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@pytest.fixture
+def reach():
+    """Fails a fixed-seed run (the ``ci`` profile, derandomized) whose cases fall short of
+    ``reach.minimums``; other profiles' runs (random, or the mutation profile's few examples)
+    only record what they reached."""
+    r = Reach()
+    yield r
+    if PROFILE == "ci":
+        assert not r.shortfall(), f"generated cases reached too few: {r.shortfall()} of {dict(r.counts)}"
