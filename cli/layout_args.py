@@ -34,7 +34,10 @@ def parse_group(text: str) -> CacheGroup:
             raise ValueError(f"unknown option {opt!r} in group {text!r}; expected replicated, sharded or window=N")
     if kind is GroupKind.SLIDING_WINDOW and window is None:
         window = 4 * block_size
-    return CacheGroup(kind, block_size, dcp_sharded=sharded, sliding_window=window)
+    try:
+        return CacheGroup(kind, block_size, dcp_sharded=sharded, sliding_window=window)
+    except ValueError as e:
+        raise ValueError(f"group {text!r}: {e}") from None
 
 
 def _size(value: str, name: str, group: str) -> int:

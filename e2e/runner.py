@@ -140,13 +140,13 @@ def validate(trace: list[TraceRequest], layout: Layout, options: E2EOptions) -> 
         n = t.num_computed_tokens
         if n > layout.config.max_model_len:
             raise ValueError(f"request {t.id!r} needs {n} tokens > max_model_len {layout.config.max_model_len}")
-        check_fits_alone(layout, options.num_blocks, t.id, n)
         # Its prefill takes a step and every output after the first another one.
         if len(t.output) > options.max_steps:
             raise StepLimitError(
                 f"request {t.id!r} has {len(t.output):,} outputs, one step each, beyond the e2e runner's limit "
                 f"of {options.max_steps:,} scheduler steps"
             )
+        check_fits_alone(layout, options.num_blocks, t.id, n)
 
 
 def run_e2e(
