@@ -111,9 +111,7 @@ def run_command(prog: str, run: Callable[[], int]) -> int:
     try:
         with _signals_raise():
             try:
-                status = run()
-                guarded.flush()
-                return status
+                return run()
             except KeyboardInterrupt as e:  # Ctrl-C arriving outside the handler's window too
                 _ignore_signals()
                 signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT

@@ -9,8 +9,9 @@ import os
 from typing import Optional
 
 #: The block pool and its bookkeeping in ``kvproof replay`` (``BlockPool`` + managers + content
-#: oracle), per block at its peak: 89 bytes measured, 143 with the slow tier's whole-pool check
-#: (``ICONTRACT_SLOW=1``); rounded up. ``tests/cli/test_limits.py`` keeps it an upper bound.
+#: oracle), per block at its peak: 89 bytes measured, 131-143 with the slow tier's whole-pool
+#: check (``ICONTRACT_SLOW=1``; docs/replay.md, "Limits"); rounded up.
+#: ``tests/cli/test_limits.py`` keeps it an upper bound.
 REPLAY_BYTES_PER_BLOCK = 160
 
 

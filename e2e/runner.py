@@ -89,7 +89,7 @@ class StepLimitError(ValueError):
     runner, not a violated invariant)."""
 
 
-#: Memory of one rank process beyond its cache and tables (torch, gloo, the model): about 30 MB
+#: Memory of one rank process beyond its cache and tables (torch, gloo, the model): 25.6 MB
 #: measured (PSS of forked ranks at DCP 16, docs/e2e.md "Limits"), rounded up.
 RANK_PROCESS_BYTES = 48 << 20
 #: The fork server, started once (about 300 MB resident, most of it shared with the caller).

@@ -187,7 +187,10 @@ def check_run(command: str, argv: list[str], seen: collections.Counter, tmp: str
     out, err = io.StringIO(), io.StringIO()
     before = set(os.listdir(tmp))
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
+        try:
+            code = main(argv)
+        except SystemExit as e:  # what the console script would turn into the status
+            code = e.code
     err_text = err.getvalue()
     assert code in (0, 1, 2), (argv, code, err_text)
     assert "Traceback" not in err_text, (argv, err_text)
@@ -241,7 +244,7 @@ def _fuzz(command: str, examples: int, tmp: str, trace_path: str) -> collections
     return seen
 
 
-@pytest.mark.parametrize("command, examples", [("geometry", 100), ("replay", 150)])
+@pytest.mark.parametrize("command, examples", [("geometry", 100), ("replay", 120)])
 def test_fuzz_in_process(private_tmp, tmp_path, command, examples):
     seen = _fuzz(command, examples, private_tmp, str(tmp_path / "trace.jsonl"))
     # A fixed-seed run must reach both refusals and real runs.
@@ -282,11 +285,11 @@ def test_fuzz_real_processes(tmp_path):
     seen: collections.Counter = collections.Counter()
     commands = ["geometry", "replay"] + (["e2e"] if _torch_available() else [])
 
-    @settings(derandomize=True, max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(derandomize=True, max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(data=st.data())
     def run(data):
         command = data.draw(st.sampled_from(commands), label="command")
-        if command == "e2e" and seen["e2e"] >= 3:  # each one starts torch and a fork server: a few suffice
+        if command == "e2e" and seen["e2e"] >= 2:  # each one starts torch and a fork server: a few suffice
             command = "replay"
         seen[command] += 1
         with open(trace_path, "wb") as f:

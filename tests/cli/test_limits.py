@@ -25,7 +25,7 @@ def test_replay_bytes_per_block_covers_the_real_peak(groups):
     """REPLAY_BYTES_PER_BLOCK bounds what ``kvproof replay`` allocates per block (pool, managers,
     oracle) at its peak, so the memory check never lets through a pool that does not fit."""
     layout = resolve_layout(LayoutConfig(groups=groups, dcp=2))
-    n = 50_000
+    n = 50_000  # large enough that the per-block cost, not fixed overhead, dominates
     gc.collect()
     tracemalloc.start()
     try:
