@@ -5,7 +5,6 @@ compares them with the memory available now."""
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 #: The block pool and its bookkeeping in ``kvproof replay`` (``BlockPool`` + managers + content

@@ -222,8 +222,11 @@ def _environment(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _context() -> multiprocessing.context.BaseContext:
-    """``forkserver`` where available: one server process imports torch and kvproof once
+def rank_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context ranks start from, its fork server running (tests call it
+    early, so that the server's socket directory is not in a temporary directory they watch).
+
+    ``forkserver`` where available: one server process imports torch and kvproof once
     (about 3 s on a CI core), and every rank of every later run forks from it in
     milliseconds. The server never runs a torch op, so no OpenMP pool or lock is live when it
     forks. ``spawn`` elsewhere (each rank imports torch itself). Children get one OpenMP
@@ -240,7 +243,7 @@ def _context() -> multiprocessing.context.BaseContext:
 
 
 def _run_once(fn: Callable, world_size: int, args: tuple, timeout_s: float) -> _Outcome:
-    ctx = _context()
+    ctx = rank_context()
     port = free_port()
     processes, readers = [], []
     try:

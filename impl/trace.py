@@ -99,8 +99,9 @@ def _decode(raw: Union[bytes, str], lineno: int) -> object:
         raise TraceError(f"line {lineno}: {e}") from None
     except RecursionError:
         raise TraceError(f"line {lineno}: JSON nested too deeply; expected one flat object per request") from None
-    except ValueError as e:  # e.g. an integer literal of more than 4300 digits
-        raise TraceError(f"line {lineno}: not valid JSON here ({e})") from None
+    except ValueError:  # Python refuses integer literals of more than 4300 digits
+        raise TraceError(f"line {lineno}: an integer of thousands of digits; expected token ids and steps "
+                         "below 2**63") from None
 
 
 def parse_line(text: Union[bytes, str], lineno: int) -> TraceRequest:
@@ -110,7 +111,7 @@ def parse_line(text: Union[bytes, str], lineno: int) -> TraceRequest:
         raise TraceError(f"line {lineno}: expected a JSON object, got {type(obj).__name__}")
     unknown = set(obj) - _FIELDS
     if unknown:
-        raise TraceError(f"line {lineno}: unknown field(s) {', '.join(sorted(map(repr, unknown)))}; "
+        raise TraceError(f"line {lineno}: unknown field(s) {', '.join(sorted(map(_show, unknown)))}; "
                          f"expected {', '.join(sorted(_FIELDS))}")
     if "id" not in obj or not isinstance(obj["id"], str) or not obj["id"]:
         raise TraceError(f"line {lineno}: 'id' must be a non-empty string")

@@ -210,9 +210,9 @@ def check_run(command: str, argv: list[str], seen: collections.Counter, tmp: str
 def private_tmp(tmp_path, monkeypatch):
     """A temporary directory of our own (others write to the shared one meanwhile)."""
     if "torch" in sys.modules or _torch_available():
-        from kvproof.e2e.dcp import _context
+        from kvproof.e2e.dcp import rank_context
 
-        _context()  # the fork server's socket directory lives in the real temp dir, not ours
+        rank_context()  # the fork server's socket directory lives in the real temp dir, not ours
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))

@@ -161,7 +161,7 @@ def test_help_still_goes_to_stdout_with_status_0(capsys):
         (b'{"id": "a", "prompt": [9223372036854775808]}\n', "'prompt' token 9223372036854775808 at index 0 is not a token id"),
         (b'{"id": "a", "prompt": [1], "output": [2, 1.5]}\n', "line 1 (request 'a'): 'output' token 1.5 at index 1"),
         (b'{"id": "a", "prompt": [1], "arrival": 9223372036854775808}\n', "'arrival' 9223372036854775808 must be a scheduler step"),
-        (b'{"id": "a", "prompt": [' + b"1" * 5000 + b"]}\n", "t.jsonl: line 1: not valid JSON here (Exceeds the limit"),
+        (b'{"id": "a", "prompt": [' + b"1" * 5000 + b"]}\n", "t.jsonl: line 1: an integer of thousands of digits; expected token ids and steps below 2**63"),
         (b'{"id": "a", "id": "b", "prompt": [1]}\n', "t.jsonl: line 1: field 'id' appears twice in one object"),
     ],
 )
