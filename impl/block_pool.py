@@ -57,7 +57,10 @@ class BlockPool:
     is ``None``.
     """
 
-    __slots__ = ("_num_blocks", "_ref", "_key", "_ntok", "_holders", "_next", "_prev", "_head", "_tail", "_num_free", "num_evictions")
+    __slots__ = (
+        "_num_blocks", "_ref", "_key", "_ntok", "_prefixes", "_holders", "_next", "_prev", "_head", "_tail", "_num_free",
+        "num_evictions",
+    )
 
     @slow_tier
     @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: a new pool is well formed", enabled=True)
@@ -68,9 +71,12 @@ class BlockPool:
         self._num_blocks = num_blocks
         self._ref = [0] * num_blocks
         self._key: list[Optional[Key]] = [None] * num_blocks
-        # Prefix length covered by the block's key; 0 iff the block has no key.
+        # Prefix length covered by the block's (primary) key; 0 iff the block has no key.
         self._ntok = [0] * num_blocks
-        # key -> the blocks holding it, oldest first (lookups return the first).
+        # block -> its prefix keys as (key, ntok), shortest first; only blocks that have some
+        # (attention blocks cached with keep_prefixes), so most blocks cost nothing here.
+        self._prefixes: dict[int, list[tuple[Key, int]]] = {}
+        # key -> the blocks holding it (as primary or prefix key), oldest first (lookups return the first).
         self._holders: dict[Key, list[int]] = {}
         # Free queue: _next/_prev links, -1 for a block that is not queued (ref > 0, or null).
         self._head, self._tail = num_blocks, num_blocks + 1
@@ -113,9 +119,16 @@ class BlockPool:
         return self._ref[block]
 
     def key_of(self, block: int) -> Optional[Key]:
-        """The one key naming ``block``'s contents, or None if it is not cached."""
+        """The primary key naming ``block``'s contents (its longest), or None if it is not cached."""
         self._require_in_range(block, "key_of")
         return self._key[block]
+
+    def keys_of(self, block: int) -> tuple[tuple[Key, int], ...]:
+        """Every key of ``block`` with the prefix length it names, longest (the primary) first."""
+        self._require_in_range(block, "keys_of")
+        if self._key[block] is None:
+            return ()
+        return ((self._key[block], self._ntok[block]),) + tuple(reversed(self._prefixes.get(block, ())))
 
     def num_tokens_of(self, block: int) -> int:
         """Prefix length the block's key covers (0 if uncached): a manager can skip offering a
@@ -142,8 +155,12 @@ class BlockPool:
         return tuple(out)
 
     def num_cached_keys(self) -> int:
-        """Number of distinct keys in the cache."""
+        """Number of distinct keys in the cache (primary and prefix keys)."""
         return len(self._holders)
+
+    def num_prefix_keys(self) -> int:
+        """Prefix keys held beside primary keys (the memory keep_prefixes costs). O(blocks with some)."""
+        return sum(len(p) for p in self._prefixes.values())
 
     # --- verbs (mutate state) ------------------------------------------------------------------
 
@@ -295,26 +312,33 @@ class BlockPool:
                 raise ValueError(f"INV-POOL-REF-NONNEG: block {b} listed {times} times in one free but its ref count is {ref[b]}")
 
     @slow_tier
+    @icontract.snapshot(lambda self, block: self.keys_of(block) if isinstance(block, int) and 0 <= block < self._num_blocks else None, name="keys", enabled=True)
     @icontract.ensure(
-        lambda self, block, key, num_tokens: self._key[block] == key and self._ntok[block] == num_tokens,
-        "INV-POOL-NO-STALE-PARTIAL: after cache_full the block's one key is the full key",
+        lambda OLD, self, block, keep_prefixes, result: not (result and keep_prefixes) or set(OLD.keys) <= set(self.keys_of(block)),
+        "INV-POOL-PREFIX-KEYS: with keep_prefixes the block keeps every key it had",
+        enabled=True,
+    )
+    @icontract.ensure(
+        lambda self, block, key, num_tokens, result: not result or (self._key[block] == key and self._ntok[block] == num_tokens),
+        "INV-POOL-NO-STALE-PARTIAL: after cache_full the block's primary key is the full key",
         enabled=True,
     )
     @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after cache_full", enabled=True)
-    def cache_full(self, block: int, key: Key, num_tokens: int) -> bool:
+    def cache_full(self, block: int, key: Key, num_tokens: int, keep_prefixes: bool = False) -> bool:
         """Mutates. Name a held block by its full-block key covering ``num_tokens`` tokens.
 
-        A shorter key on the block (a partial entry) is retired: promotion. Returns True if the
-        key was newly attached, False if the block already held it. A block already covering
+        The block's shorter keys (partial entries) are retired -- promotion -- or, with
+        ``keep_prefixes`` (append-only attention KV), kept as prefix keys. Returns True if the key
+        was newly attached, False if the block already held it. A block already covering
         ``>= num_tokens`` tokens under another key is a caller bug: ValueError, no change.
         """
         if not (0 < block < self._num_blocks and self._ref[block] > 0 and num_tokens > 0):
             self._reject_uncacheable(block, num_tokens, "cache_full")
         holders = self._holders.get(key)
-        if holders is not None and self._ntok[holders[0]] != num_tokens:
+        if holders is not None and self._length_of(key, holders[0]) != num_tokens:
             self._reject_other_length(key, holders[0], num_tokens, "cache_full")
         current = self._key[block]
-        if current == key:
+        if current == key or (holders is not None and block in holders):
             return False
         if self._ntok[block] >= num_tokens:
             raise ValueError(
@@ -322,53 +346,65 @@ class BlockPool:
                 f"but it already covers {self._ntok[block]} tokens under another key"
             )
         if current is not None:
-            self._drop_key(block)
+            self._demote(block) if keep_prefixes else self._drop_key(block)
         self._attach(block, key, num_tokens, holders)
         return True
 
     @slow_tier
-    @icontract.snapshot(lambda self, block: (self._key[block], self._ntok[block]) if isinstance(block, int) and 0 <= block < self._num_blocks else None, name="entry", enabled=True)
+    @icontract.snapshot(lambda self, block: self.keys_of(block) if isinstance(block, int) and 0 <= block < self._num_blocks else None, name="keys", enabled=True)
     @icontract.ensure(
-        lambda OLD, self, block, result: result is not None or (self._key[block], self._ntok[block]) == OLD.entry,
+        lambda OLD, self, block, keep_prefixes, result: not (result and keep_prefixes) or set(OLD.keys) <= set(self.keys_of(block)),
+        "INV-POOL-PREFIX-KEYS: with keep_prefixes the block keeps every key it had",
+        enabled=True,
+    )
+    @icontract.ensure(
+        lambda OLD, self, block, result: result is not None or self.keys_of(block) == OLD.keys,
         "INV-POOL-ATOMIC: a refused cache_partial changes nothing",
         enabled=True,
     )
     @icontract.ensure(
         lambda OLD, key, num_tokens, replace, result: (result is None)
-        == (not replace and OLD.entry[0] is not None and OLD.entry[0] != key and OLD.entry[1] >= num_tokens),
+        == (not replace and bool(OLD.keys) and key not in dict(OLD.keys) and OLD.keys[0][1] >= num_tokens),
         "INV-POOL-NO-STALE-PARTIAL: cache_partial refuses exactly a boundary the block already covers under another key",
         enabled=True,
     )
     @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after cache_partial", enabled=True)
-    def cache_partial(self, block: int, key: Key, num_tokens: int, replace: bool = False) -> Optional[bool]:
+    def cache_partial(self, block: int, key: Key, num_tokens: int, replace: bool = False, keep_prefixes: bool = False) -> Optional[bool]:
         """Mutates unless refused. Offer a partial (sub-block, hash-aligned) key for a held block.
 
-        Returns True if newly attached (a shorter key on the block is retired: the entry grows
-        forward), False if the block already holds exactly this key, and None (no change) if the
-        block already covers ``>= num_tokens`` tokens under another key: it has outgrown that
-        boundary, and attaching it would bring back a stale key (vLLM 0.33, reference 10.2).
-        ``replace=True`` is for a rewritten Mamba state: the old key goes whatever its length.
+        Returns True if newly attached (the entry grows forward: the block's keys so far are
+        retired, or kept as prefix keys with ``keep_prefixes``), False if the block already holds
+        this key, and None (no change) if the block already covers ``>= num_tokens`` tokens under
+        another key: it has outgrown that boundary, and attaching it would bring back a retired
+        key (vLLM 0.33, reference 10.2). ``replace=True`` is for a rewritten Mamba state: every
+        old key goes whatever its length (and ``keep_prefixes`` makes no sense with it).
         """
+        if replace and keep_prefixes:
+            raise ValueError("cache_partial: replace (a rewritten state) and keep_prefixes (append-only) exclude each other")
         if not (0 < block < self._num_blocks and self._ref[block] > 0 and num_tokens > 0):
             self._reject_uncacheable(block, num_tokens, "cache_partial")
         holders = self._holders.get(key)
-        if holders is not None and self._ntok[holders[0]] != num_tokens:
+        if holders is not None and self._length_of(key, holders[0]) != num_tokens:
             self._reject_other_length(key, holders[0], num_tokens, "cache_partial")
         current = self._key[block]
-        if current == key:
+        if current == key or (holders is not None and block in holders):
             return False
         if current is not None:
             if not replace and self._ntok[block] >= num_tokens:
                 return None
-            self._drop_key(block)
+            self._demote(block) if keep_prefixes else self._drop_key(block)
         self._attach(block, key, num_tokens, holders)
         return True
 
-    @icontract.ensure(lambda self, blocks: all(self._key[b] is None for b in blocks), "INV-POOL-KEY-CONSISTENT: evicted blocks have no key", enabled=True)
+    @icontract.ensure(
+        lambda self, blocks: all(self._key[b] is None and b not in self._prefixes for b in blocks),
+        "INV-POOL-PREFIX-KEYS: evicted blocks have no key, primary or prefix",
+        enabled=True,
+    )
     @slow_tier
     @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after evict", enabled=True)
     def evict(self, blocks: Sequence[int]) -> int:
-        """Mutates. Drop the key of each listed block; ref counts and the free queue are unchanged.
+        """Mutates. Drop every key of each listed block; ref counts and the free queue are unchanged.
         Returns how many keys were dropped. An id outside [1, num_blocks) raises ValueError and
         changes nothing."""
         nb = self._num_blocks
@@ -403,16 +439,21 @@ class BlockPool:
         for b in range(1, self._num_blocks):
             self._key[b] = None
             self._ntok[b] = 0
+        self._prefixes.clear()
         self._holders.clear()
         return True
 
-    @icontract.ensure(lambda self, src, dst: self._key[src] is None and self._key[dst] is not None, "INV-POOL-KEY-CONSISTENT: the key moved", enabled=True)
+    @icontract.ensure(
+        lambda self, src, dst: self._key[src] is None and src not in self._prefixes and self._key[dst] is not None,
+        "INV-POOL-KEY-CONSISTENT: the keys moved",
+        enabled=True,
+    )
     @slow_tier
     @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after move_key", enabled=True)
     def move_key(self, src: int, dst: int) -> None:
-        """Mutates. Move src's key, its length and its place among the key's holders to dst
-        (a running Mamba request keeps writing src; its cached state now lives in the copy dst).
-        Two distinct held real blocks, src keyed and dst not, else ValueError and no change."""
+        """Mutates. Move src's keys, their lengths and their places among each key's holders to
+        dst (a running Mamba request keeps writing src; its cached state now lives in the copy
+        dst). Two distinct held real blocks, src keyed and dst not, else ValueError and no change."""
         nb, ref = self._num_blocks, self._ref
         for b in (src, dst):
             if isinstance(b, bool) or not isinstance(b, int) or not 0 < b < nb or ref[b] <= 0:
@@ -421,10 +462,13 @@ class BlockPool:
             raise ValueError(f"INV-POOL-HELD-TO-CACHE: move_key needs two distinct held real blocks, got {src} -> {dst}")
         if self._key[src] is None or self._key[dst] is not None:
             raise ValueError(f"move_key: block {src} must have a key and block {dst} none")
-        k = self._key[src]
-        holders = self._holders[k]
-        holders[holders.index(src)] = dst
-        self._key[dst], self._ntok[dst] = k, self._ntok[src]
+        moved = self._prefixes.pop(src, None)
+        for k in [self._key[src], *(k for k, _ in moved or ())]:
+            holders = self._holders[k]
+            holders[holders.index(src)] = dst
+        if moved:
+            self._prefixes[dst] = moved
+        self._key[dst], self._ntok[dst] = self._key[src], self._ntok[src]
         self._key[src], self._ntok[src] = None, 0
 
     # --- internals -----------------------------------------------------------------------------
@@ -449,8 +493,21 @@ class BlockPool:
             f"(block {holder}), not {num_tokens} tokens"
         )
 
+    def _length_of(self, key: Key, holder: int) -> int:
+        """The prefix length ``key`` names on ``holder`` (its primary, or one of its prefix keys)."""
+        if self._key[holder] == key:
+            return self._ntok[holder]
+        return next(n for k, n in self._prefixes[holder] if k == key)
+
+    def _demote(self, block: int) -> None:
+        """Make the block's primary key one of its prefix keys (it stays in the key map)."""
+        self._prefixes.setdefault(block, []).append((self._key[block], self._ntok[block]))
+        self._key[block] = None
+        self._ntok[block] = 0
+
     def _attach(self, block: int, key: Key, num_tokens: int, holders: Optional[list[int]]) -> None:
-        """Name an uncached block by ``key``; ``holders`` is the key's current holder list or None."""
+        """Name a block that has no primary key by ``key``; ``holders`` is the key's current
+        holder list or None."""
         self._key[block] = key
         self._ntok[block] = num_tokens
         if holders is None:
@@ -459,12 +516,14 @@ class BlockPool:
             holders.append(block)
 
     def _drop_key(self, block: int) -> None:
-        k = self._key[block]
-        found = self._holders[k]
-        if len(found) == 1:
-            del self._holders[k]
-        else:
-            found.remove(block)
+        """Drop every key of ``block``: its primary and its prefix keys."""
+        extra = self._prefixes.pop(block, None)
+        for k in [self._key[block], *(k for k, _ in extra or ())]:
+            found = self._holders[k]
+            if len(found) == 1:
+                del self._holders[k]
+            else:
+                found.remove(block)
         self._key[block] = None
         self._ntok[block] = 0
 
@@ -487,19 +546,29 @@ class BlockPool:
         cached_free = sum(1 for b in free if key[b] is not None)
         check((len(free) - cached_free) + cached_free + in_use + 1 == nb, "INV-POOL-CONSERVE",
               f"free-uncached {len(free) - cached_free} + evictable-cached {cached_free} + in-use {in_use} + null 1 != {nb} blocks")
-        named_by: dict[int, Key] = {}
+        # Every key a block carries (primary or prefix), with its length, must be in the map.
+        carried: dict[tuple[int, Key], int] = {}
+        for b in range(nb):
+            if key[b] is not None:
+                carried[b, key[b]] = ntok[b]
+        for b, extra in self._prefixes.items():
+            lengths = [n for _, n in extra]
+            check(key[b] is not None and lengths == sorted(set(lengths)) and all(0 < n < ntok[b] for n in lengths)
+                  and len({k for k, _ in extra} | {key[b]}) == len(extra) + 1,
+                  "INV-POOL-PREFIX-KEYS", f"block {b} has prefix keys of lengths {lengths} beside a primary of {ntok[b]}")
+            for k, n in extra:
+                carried[b, k] = n
+        listed = 0
         for k, blocks in self._holders.items():
-            check(len(blocks) > 0, "INV-POOL-KEY-CONSISTENT", f"key {k!r} is in the map with no holder")
+            check(len(blocks) > 0 and len(set(blocks)) == len(blocks), "INV-POOL-KEY-CONSISTENT",
+                  f"key {k!r} is in the map with holders {blocks}")
+            lengths = []
             for b in blocks:
-                # One key per block: a block listed twice means a retired key still names it.
-                check(b not in named_by, "INV-POOL-NO-STALE-PARTIAL",
-                      f"block {b} is named by two keys, {named_by.get(b)!r} and {k!r}; the shorter one should have been retired")
-                named_by[b] = k
-                check(key[b] == k, "INV-POOL-KEY-CONSISTENT", f"key {k!r} lists block {b}, whose key is {key[b]!r}")
-            check(all(ntok[b] == ntok[blocks[0]] for b in blocks), "INV-POOL-KEY-LENGTH",
-                  f"key {k!r} is held with lengths {[ntok[b] for b in blocks]} by blocks {blocks}")
-        keyed = sum(1 for b in range(nb) if key[b] is not None)
-        check(len(named_by) == keyed, "INV-POOL-KEY-CONSISTENT", f"{keyed} blocks carry a key but the key map lists {len(named_by)}")
+                check((b, k) in carried, "INV-POOL-KEY-CONSISTENT", f"key {k!r} lists block {b}, which does not carry it")
+                lengths.append(carried[b, k])
+            listed += len(blocks)
+            check(len(set(lengths)) == 1, "INV-POOL-KEY-LENGTH", f"key {k!r} is held with lengths {lengths} by blocks {blocks}")
+        check(listed == len(carried), "INV-POOL-KEY-CONSISTENT", f"blocks carry {len(carried)} keys but the key map lists {listed}")
         return True
 
     def _check_free_queue(self) -> set[int]:

@@ -30,7 +30,12 @@ _arrival = operator.attrgetter("arrival")
 
 
 class CapacityError(ValueError):
-    """A request can never be scheduled: it needs more blocks than the whole pool holds."""
+    """A request can never be scheduled: it needs more blocks than the whole pool holds.
+    ``request_id`` names it."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 @dataclasses.dataclass
@@ -126,8 +131,9 @@ class Scheduler:
                 victim = next((r for r in reversed(queue) if r.request_id not in scheduled), None)
                 if victim is None or victim is req and len(scheduled) == 0 and len(queue) == 1:
                     raise CapacityError(
+                        req.request_id,
                         f"request {req.request_id!r} cannot get blocks for {end} tokens even with the pool to itself "
-                        f"({self.kv.pool.num_blocks - 1} blocks); raise --num-blocks"
+                        f"({self.kv.pool.num_blocks - 1} blocks); raise --num-blocks",
                     )
                 self._preempt(victim, preempted)
                 queue.remove(victim)
@@ -173,8 +179,9 @@ class Scheduler:
             if hit is None:
                 if alone:
                     raise CapacityError(
+                        req.request_id,
                         f"request {req.request_id!r} cannot get blocks for {end} tokens even with the pool to itself "
-                        f"({self.kv.pool.num_blocks - 1} blocks, {self.kv.pool.num_free} free); raise --num-blocks"
+                        f"({self.kv.pool.num_blocks - 1} blocks, {self.kv.pool.num_free} free); raise --num-blocks",
                     )
                 return None
 

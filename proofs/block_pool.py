@@ -4,7 +4,7 @@ Every sequence of pool operations up to a fixed depth, from ``initial(num_blocks
 spec's contracts on: a breadth-first search over the reachable states (``PoolState`` is frozen,
 so states are deduplicated and each one's moves are tried once). From every state reached in
 fewer than ``depth`` steps it makes every call of a fixed menu -- allocate, touch, free, evict,
-full and partial caching (with and without ``replace``), reset, move_key -- over every block id
+full and partial caching (with and without ``replace`` and ``keep_prefixes``), reset, move_key -- over every block id
 (the null block and one id past the end included) and a few keys with fixed lengths.
 
 A call may be *refused*: a ``ValueError`` raised by one of the spec's preconditions (bad input;
@@ -14,7 +14,8 @@ counterexample. After every accepted call the new state must be ``well_formed`` 
 every whole-state invariant), and the call must obey a few rules stated here from the docs
 rather than read off the contracts (``transition_fact_broken``): caching and key moves touch
 only held real blocks, a key never covers fewer tokens than the one it replaced unless the caller
-said the state was rewritten (``replace``), ``cache_partial`` refuses *exactly* a boundary the
+said the state was rewritten (``replace``), a block keeps its older keys exactly when asked
+(``keep_prefixes``), ``cache_partial`` refuses *exactly* a boundary the
 block has outgrown (its contract states only one direction), ``allocate`` takes the head of the
 free queue, ``touch``/``free`` move each listed real block's ref count by one per mention.
 
@@ -50,7 +51,7 @@ PARTIAL_KEYS = (("F2", 2), ("F3", 3), ("F2", 3))
 
 INVARIANTS = (
     "INV-POOL-NULL", "INV-POOL-REF-NONNEG", "INV-POOL-FREE-IFF-UNREF", "INV-POOL-CONSERVE",
-    "INV-POOL-KEY-CONSISTENT", "INV-POOL-KEY-LENGTH", "INV-POOL-NO-STALE-PARTIAL", "INV-POOL-ATOMIC",
+    "INV-POOL-KEY-CONSISTENT", "INV-POOL-KEY-LENGTH", "INV-POOL-NO-STALE-PARTIAL", "INV-POOL-PREFIX-KEYS", "INV-POOL-ATOMIC",
     "INV-POOL-ALLOC-FRESH", "INV-POOL-HELD-TO-CACHE", "INV-POOL-RESET-IDLE",
 )
 
@@ -89,10 +90,11 @@ def moves(s: PoolState) -> Iterator[Call]:
         yield Call("evict", ((b,),))
     for b in range(s.num_blocks):
         for key, n in FULL_KEYS:
-            yield Call("cache_full", (b, key, n))
+            for keep in (False, True):
+                yield Call("cache_full", (b, key, n, keep))
         for key, n in PARTIAL_KEYS:
-            for replace in (False, True):
-                yield Call("cache_partial", (b, key, n, replace))
+            for replace, keep in ((False, False), (True, False), (False, True), (True, True)):
+                yield Call("cache_partial", (b, key, n, replace, keep))
     yield Call("reset", ())
     for src in range(s.num_blocks):
         for dst in range(s.num_blocks):
@@ -141,8 +143,9 @@ def transition_fact_broken(call: Call, s: PoolState, result, t: Optional[PoolSta
         return None
     if op in ("cache_full", "cache_partial"):
         b, key, n = args[:3]
-        replace = args[3] if op == "cache_partial" else False
-        outgrown = key != s.key[b] and s.ntok[b] >= n
+        replace, keep = (args[3], args[4]) if op == "cache_partial" else (False, args[3])
+        before = {k for k, _ in pool.keys_of(s, b)}
+        outgrown = key not in before and s.ntok[b] >= n
         if op == "cache_partial" and not replace and outgrown and result[1] is not None:
             return (
                 f"block {b} covered {s.ntok[b]} tokens under {s.key[b]!r}; the boundary {n} it has outgrown "
@@ -154,6 +157,9 @@ def transition_fact_broken(call: Call, s: PoolState, result, t: Optional[PoolSta
             return f"block {b} (ref {s.ref[b]}) was cached without being held"
         if not replace and t.ntok[b] < s.ntok[b]:
             return f"block {b}'s key went backwards: {s.key[b]!r} for {s.ntok[b]} -> {t.key[b]!r} for {t.ntok[b]}"
+        after = {k for k, _ in pool.keys_of(t, b)}
+        if after != (before | {key} if keep else {key}):
+            return f"block {b}'s keys went {sorted(map(str, before))} -> {sorted(map(str, after))} caching {key!r} (keep {keep})"
         return None
     if op == "move_key":
         src, dst = args
@@ -246,7 +252,7 @@ def _search(ops: Ops, num_blocks: int, depth: int, deadline: float) -> Outcome:
 
 
 def _cache_partial_accepting_outgrown(
-    s: PoolState, block: int, key, num_tokens: int, replace: bool = False
+    s: PoolState, block: int, key, num_tokens: int, replace: bool = False, keep_prefixes: bool = False
 ) -> tuple[PoolState, Optional[bool]]:
     """SEEDED BUG (vLLM 0.33's alias, reference 10.2): a partial boundary the block has already
     outgrown is attached instead of refused, so the block is named by a prefix shorter than the
@@ -258,7 +264,7 @@ def _cache_partial_accepting_outgrown(
         s.ntok[:block] + (num_tokens,) + s.ntok[block + 1 :],
         s.stamp[:block] + (s.clock,) + s.stamp[block + 1 :],
     )
-    return PoolState(s.ref, *attached, s.free, s.clock + 1), True
+    return PoolState(s.ref, *attached, s.free, s.clock + 1, s.prefixes), True
 
 
 #: The spec's operations with the seeded ``cache_partial``, under the real one's contracts.

@@ -1,4 +1,4 @@
-"""Abstract model of the prefix-cache block pool: one key per block, pure functions on a frozen state.
+"""Abstract model of the prefix-cache block pool: pure functions on a frozen state.
 
 This is the obviously-correct reference that ``kvproof.impl.block_pool.BlockPool`` is checked
 against (tests/impl/test_block_pool_machine.py drives both in lockstep). Every operation is a
@@ -10,18 +10,25 @@ Vocabulary
   touched or freed (touch/free skip it, caching rejects it). ``-1`` is never a block id.
 * A key is any hashable. In kvproof it is ``(fine_hash_at_N, group_id)`` (``impl.hashing.key_at``);
   the model never looks inside it.
-* **One key per block.** A block whose contents are the prefix ``[0, N)`` of some request is named
-  by exactly one key, and the pool records ``N`` (``ntok``) with it. Several blocks may hold the
-  same key (nothing is deduplicated); a lookup returns the block that has held it longest.
-  vLLM 0.33 also keeps "alias" keys on a block; this model has none, which is what makes
-  "no stale partial key" (INV-POOL-NO-STALE-PARTIAL) a structural fact rather than a cleanup duty.
+* **A primary key per block.** A block whose contents are the prefix ``[0, N)`` of some request is
+  named by one primary key, and the pool records ``N`` (``ntok``) with it. Several blocks may hold
+  the same key (nothing is deduplicated); a lookup returns the block that has held it longest.
+* **Prefix keys, on request.** Attention KV is append-only: a block that holds ``[0, N)`` also holds
+  every shorter prefix it held before. A caller that says so (``keep_prefixes``) keeps the keys its
+  block had as *prefix keys* when the block grows, so a request that diverges inside the block can
+  still hit the longest prefix it shares (vLLM 0.33 keeps such keys as "aliases" by accident, with
+  stale ones among them, reference 10.2). Without ``keep_prefixes`` (a Mamba state, which
+  summarises one length) growing retires every older key. Either way a key is added only above
+  what the block covers (a boundary it has outgrown is refused), so no retired key comes back
+  (INV-POOL-NO-STALE-PARTIAL), and all of a block's keys leave together (INV-POOL-PREFIX-KEYS).
 * The free queue holds every real block with ref count 0, head first. ``allocate`` pops from the
   head and drops the popped block's key (eviction). ``free`` puts keyless blocks at the head (as
   one batch, in the order given, so they are reused first) and cached blocks at the tail (LRU).
 
 Invariant ids used here: INV-POOL-NULL, INV-POOL-REF-NONNEG, INV-POOL-FREE-IFF-UNREF,
 INV-POOL-CONSERVE, INV-POOL-KEY-CONSISTENT, INV-POOL-KEY-LENGTH, INV-POOL-NO-STALE-PARTIAL,
-INV-POOL-ATOMIC, INV-POOL-ALLOC-FRESH, INV-POOL-HELD-TO-CACHE, INV-POOL-RESET-IDLE
+INV-POOL-PREFIX-KEYS, INV-POOL-ATOMIC, INV-POOL-ALLOC-FRESH, INV-POOL-HELD-TO-CACHE,
+INV-POOL-RESET-IDLE
 (docs/spec.md, the block-pool section).
 """
 
@@ -42,10 +49,11 @@ Key = Hashable
 class PoolState:
     """The pool's whole abstract state; index ``b`` of each tuple describes block ``b``.
 
-    ``key[b]`` is the one key naming block b's contents (None: uncached), ``ntok[b]`` the prefix
-    length that key covers (0 iff uncached) and ``stamp[b]`` the logical time it was attached, which
-    orders the holders of a key (the oldest is what a lookup returns). ``free`` is the free queue,
-    head first. ``clock`` is the next stamp.
+    ``key[b]`` is the primary key naming block b's contents (None: uncached), ``ntok[b]`` the
+    prefix length that key covers (0 iff uncached) and ``stamp[b]`` the logical time it was
+    attached, which orders the holders of a key (the oldest is what a lookup returns).
+    ``prefixes[b]`` holds b's prefix keys as ``(key, ntok, stamp)``, shortest first. ``free`` is
+    the free queue, head first. ``clock`` is the next stamp.
     """
 
     ref: tuple[int, ...]
@@ -54,6 +62,7 @@ class PoolState:
     stamp: tuple[int, ...]
     free: tuple[int, ...]
     clock: int = 0
+    prefixes: tuple[tuple[tuple[Key, int, int], ...], ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -96,12 +105,34 @@ def keys_consistent(s: PoolState) -> bool:
     )
 
 
+def entries(s: PoolState, b: int) -> tuple[tuple[Key, int, int], ...]:
+    """Every key of block b as ``(key, ntok, stamp)``: its prefix keys, then its primary."""
+    if s.key[b] is None:
+        return ()
+    return s.prefixes[b] + ((s.key[b], s.ntok[b], s.stamp[b]),)
+
+
 def key_lengths_agree(s: PoolState) -> bool:
     """INV-POOL-KEY-LENGTH: every holder of a key records the same prefix length for it."""
     length: dict[Key, int] = {}
     for b in range(s.num_blocks):
-        k = s.key[b]
-        if k is not None and length.setdefault(k, s.ntok[b]) != s.ntok[b]:
+        for k, n, _ in entries(s, b):
+            if length.setdefault(k, n) != n:
+                return False
+    return True
+
+
+def prefix_keys_nest(s: PoolState) -> bool:
+    """INV-POOL-PREFIX-KEYS: prefix keys exist only beside a primary key, name strictly shorter
+    prefixes of distinct lengths (and distinct keys), and were attached in the past."""
+    for b in range(s.num_blocks):
+        extra = s.prefixes[b]
+        if s.key[b] is None and extra:
+            return False
+        lengths = [n for _, n, _ in extra]
+        if lengths != sorted(set(lengths)) or any(n >= s.ntok[b] or n <= 0 for n in lengths):
+            return False
+        if len({k for k, _, _ in extra} | {s.key[b]}) != len(extra) + 1 or any(t >= s.clock for _, _, t in extra):
             return False
     return True
 
@@ -109,13 +140,14 @@ def key_lengths_agree(s: PoolState) -> bool:
 def well_formed(s: PoolState) -> bool:
     """All whole-state invariants at once."""
     return (
-        len(s.ref) == len(s.key) == len(s.ntok) == len(s.stamp)
+        len(s.ref) == len(s.key) == len(s.ntok) == len(s.stamp) == len(s.prefixes)
         and null_block_inert(s)
         and refs_nonnegative(s)
         and free_iff_unreferenced(s)
         and conserved(s)
         and keys_consistent(s)
         and key_lengths_agree(s)
+        and prefix_keys_nest(s)
     )
 
 
@@ -123,8 +155,14 @@ def well_formed(s: PoolState) -> bool:
 
 
 def holders(s: PoolState, key: Key) -> tuple[int, ...]:
-    """The blocks holding ``key``, oldest first."""
-    return tuple(sorted((b for b in range(s.num_blocks) if s.key[b] == key), key=lambda b: s.stamp[b]))
+    """The blocks holding ``key`` (as their primary or a prefix key), oldest first."""
+    held = [(t, b) for b in range(s.num_blocks) for k, _, t in entries(s, b) if k == key]
+    return tuple(b for _, b in sorted(held))
+
+
+def keys_of(s: PoolState, b: int) -> tuple[tuple[Key, int], ...]:
+    """Block b's keys with their lengths, longest (the primary) first."""
+    return tuple((k, n) for k, n, _ in reversed(entries(s, b)))
 
 
 def lookup(s: PoolState, key: Key) -> Optional[int]:
@@ -157,7 +195,8 @@ def _replace(t: tuple, index: int, value: object) -> tuple:
 def initial(num_blocks: int) -> PoolState:
     """A pool of ``num_blocks`` blocks; blocks 1..num_blocks-1 are free, in id order."""
     zeros = (0,) * num_blocks
-    return PoolState(ref=zeros, key=(None,) * num_blocks, ntok=zeros, stamp=zeros, free=tuple(range(1, num_blocks)))
+    return PoolState(ref=zeros, key=(None,) * num_blocks, ntok=zeros, stamp=zeros, free=tuple(range(1, num_blocks)),
+                     prefixes=((),) * num_blocks)
 
 
 @icontract.require(lambda n: isinstance(n, int) and n >= 0, error=lambda n: ValueError(f"allocate: block count {n} must be an int >= 0"), enabled=True)
@@ -178,10 +217,10 @@ def allocate(s: PoolState, n: int) -> Optional[tuple[PoolState, tuple[int, ...]]
     if n > len(s.free):
         return None
     taken = s.free[:n]
-    ref, key, ntok = list(s.ref), list(s.key), list(s.ntok)
+    ref, key, ntok, prefixes = list(s.ref), list(s.key), list(s.ntok), list(s.prefixes)
     for b in taken:
-        ref[b], key[b], ntok[b] = 1, None, 0
-    return PoolState(tuple(ref), tuple(key), tuple(ntok), s.stamp, s.free[n:], s.clock), taken
+        ref[b], key[b], ntok[b], prefixes[b] = 1, None, 0, ()
+    return PoolState(tuple(ref), tuple(key), tuple(ntok), s.stamp, s.free[n:], s.clock, tuple(prefixes)), taken
 
 
 @icontract.require(
@@ -206,7 +245,7 @@ def touch(s: PoolState, blocks: Sequence[int]) -> PoolState:
         if ref[b] == 0:
             free.remove(b)
         ref[b] += 1
-    return PoolState(tuple(ref), s.key, s.ntok, s.stamp, tuple(free), s.clock)
+    return PoolState(tuple(ref), s.key, s.ntok, s.stamp, tuple(free), s.clock, s.prefixes)
 
 
 @icontract.require(
@@ -236,7 +275,7 @@ def free(s: PoolState, blocks: Sequence[int]) -> PoolState:
         ref[b] -= 1
         if ref[b] == 0:
             (uncached if s.key[b] is None else cached).append(b)
-    return PoolState(tuple(ref), s.key, s.ntok, s.stamp, tuple(uncached) + s.free + tuple(cached), s.clock)
+    return PoolState(tuple(ref), s.key, s.ntok, s.stamp, tuple(uncached) + s.free + tuple(cached), s.clock, s.prefixes)
 
 
 def _cacheable(s: PoolState, b: int) -> bool:
@@ -244,13 +283,20 @@ def _cacheable(s: PoolState, b: int) -> bool:
 
 
 def _length_agrees(s: PoolState, key: Key, n: int) -> bool:
-    return all(s.ntok[h] == n for h in holders(s, key))
+    return all(length == n for b in range(s.num_blocks) for k, length, _ in entries(s, b) if k == key)
 
 
-def _attach(s: PoolState, b: int, key: Key, n: int) -> PoolState:
-    """Retire b's key (if any) and name b by ``key`` covering ``n`` tokens."""
+def _holds(s: PoolState, b: int, key: Key) -> bool:
+    return any(k == key for k, _, _ in entries(s, b))
+
+
+def _attach(s: PoolState, b: int, key: Key, n: int, keep_prefixes: bool) -> PoolState:
+    """Name b by ``key`` covering ``n`` tokens; b's keys so far become prefix keys (keep) or are
+    retired."""
+    kept = entries(s, b) if keep_prefixes else ()
     return PoolState(
-        s.ref, _replace(s.key, b, key), _replace(s.ntok, b, n), _replace(s.stamp, b, s.clock), s.free, s.clock + 1
+        s.ref, _replace(s.key, b, key), _replace(s.ntok, b, n), _replace(s.stamp, b, s.clock), s.free, s.clock + 1,
+        _replace(s.prefixes, b, kept),
     )
 
 
@@ -287,7 +333,7 @@ def _with_cache_preconditions(fn):
 @_with_cache_preconditions
 @icontract.require(
     lambda s, block, key, num_tokens: not _cacheable(s, block) or not isinstance(num_tokens, int)
-    or s.key[block] == key or s.ntok[block] < num_tokens,
+    or _holds(s, block, key) or s.ntok[block] < num_tokens,
     error=lambda s, block, num_tokens: ValueError(
         f"INV-POOL-NO-STALE-PARTIAL: block {block} already covers {s.ntok[block]} tokens; "
         f"a full key at {num_tokens} would go backwards"
@@ -295,19 +341,21 @@ def _with_cache_preconditions(fn):
     enabled=True,
 )
 @icontract.ensure(
-    lambda block, key, num_tokens, result: result[0].key[block] == key and result[0].ntok[block] == num_tokens,
-    "INV-POOL-NO-STALE-PARTIAL: after cache_full the block's one key is the full key",
+    lambda s, block, key, num_tokens, result: not result[1]
+    or (result[0].key[block] == key and result[0].ntok[block] == num_tokens),
+    "INV-POOL-NO-STALE-PARTIAL: after cache_full the block's primary key is the full key",
     enabled=True,
 )
 @icontract.ensure(lambda result: well_formed(result[0]), "INV-POOL-CONSERVE: cache_full keeps the pool well formed", enabled=True)
-def cache_full(s: PoolState, block: int, key: Key, num_tokens: int) -> tuple[PoolState, bool]:
-    """Name a held block by its full-block key; a shorter (partial) key on it is retired (promotion).
+def cache_full(s: PoolState, block: int, key: Key, num_tokens: int, keep_prefixes: bool = False) -> tuple[PoolState, bool]:
+    """Name a held block by its full-block key (promotion): its shorter keys become prefix keys
+    with ``keep_prefixes``, else they are retired.
 
     Returns ``(state, True)`` when the key was newly attached, ``(s, False)`` when already there.
     """
-    if s.key[block] == key:
+    if _holds(s, block, key):
         return s, False
-    return _attach(s, block, key, num_tokens), True
+    return _attach(s, block, key, num_tokens, keep_prefixes), True
 
 
 @_with_cache_preconditions
@@ -318,26 +366,33 @@ def cache_full(s: PoolState, block: int, key: Key, num_tokens: int) -> tuple[Poo
 )
 @icontract.ensure(
     lambda s, block, key, num_tokens, replace, result: result[1] is not None
-    or (not replace and s.key[block] != key and s.ntok[block] >= num_tokens),
+    or (not replace and not _holds(s, block, key) and s.ntok[block] >= num_tokens),
     "INV-POOL-NO-STALE-PARTIAL: cache_partial refuses exactly a boundary the block already covers",
     enabled=True,
 )
 @icontract.ensure(lambda result: well_formed(result[0]), "INV-POOL-CONSERVE: cache_partial keeps the pool well formed", enabled=True)
+@icontract.require(
+    lambda replace, keep_prefixes: not (replace and keep_prefixes),
+    error=lambda: ValueError("cache_partial: replace (a rewritten state) and keep_prefixes (append-only) exclude each other"),
+    enabled=True,
+)
 def cache_partial(
-    s: PoolState, block: int, key: Key, num_tokens: int, replace: bool = False
+    s: PoolState, block: int, key: Key, num_tokens: int, replace: bool = False, keep_prefixes: bool = False
 ) -> tuple[PoolState, Optional[bool]]:
     """Offer a partial (sub-block, hash-aligned) key for a held block.
 
-    Result: True newly attached (a shorter key is retired: "grow forward"), False already attached,
-    None refused because the block already covers ``>= num_tokens`` tokens under another key (the
-    vLLM 0.33 alias bug, reference 10.2). ``replace=True`` (a rewritten Mamba state) attaches
-    regardless of the length the block covered before.
+    Result: True newly attached (the entry grows forward: the block's keys so far become prefix
+    keys with ``keep_prefixes``, else they are retired), False already attached, None refused
+    because the block already covers ``>= num_tokens`` tokens under another key (attaching it
+    would bring back a retired boundary: the vLLM 0.33 alias bug, reference 10.2).
+    ``replace=True`` (a rewritten Mamba state) retires every key and attaches regardless of the
+    length the block covered before.
     """
-    if s.key[block] == key:
+    if _holds(s, block, key):
         return s, False
     if not replace and s.ntok[block] >= num_tokens:
         return s, None
-    return _attach(s, block, key, num_tokens), True
+    return _attach(s, block, key, num_tokens, keep_prefixes), True
 
 
 @icontract.require(
@@ -345,14 +400,18 @@ def cache_partial(
     error=lambda s, blocks: ValueError(f"evict: block ids {list(blocks)} must lie in [1, {s.num_blocks})"),
     enabled=True,
 )
-@icontract.ensure(lambda blocks, result: all(result.key[b] is None for b in blocks), "INV-POOL-KEY-CONSISTENT: evicted blocks have no key", enabled=True)
+@icontract.ensure(
+    lambda blocks, result: all(result.key[b] is None and not result.prefixes[b] for b in blocks),
+    "INV-POOL-PREFIX-KEYS: evicted blocks have no key, primary or prefix",
+    enabled=True,
+)
 @icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: evict keeps the pool well formed", enabled=True)
 def evict(s: PoolState, blocks: Sequence[int]) -> PoolState:
-    """Drop the key of each listed block; ref counts and the free queue are unchanged."""
-    key, ntok = list(s.key), list(s.ntok)
+    """Drop every key of each listed block; ref counts and the free queue are unchanged."""
+    key, ntok, prefixes = list(s.key), list(s.ntok), list(s.prefixes)
     for b in blocks:
-        key[b], ntok[b] = None, 0
-    return PoolState(s.ref, tuple(key), tuple(ntok), s.stamp, s.free, s.clock)
+        key[b], ntok[b], prefixes[b] = None, 0, ()
+    return PoolState(s.ref, tuple(key), tuple(ntok), s.stamp, s.free, s.clock, tuple(prefixes))
 
 
 @icontract.ensure(
@@ -367,7 +426,7 @@ def reset(s: PoolState) -> tuple[PoolState, bool]:
     if any(r > 0 for r in s.ref):
         return s, False
     n = s.num_blocks
-    return PoolState(s.ref, (None,) * n, (0,) * n, s.stamp, s.free, s.clock), True
+    return PoolState(s.ref, (None,) * n, (0,) * n, s.stamp, s.free, s.clock, ((),) * n), True
 
 
 @icontract.require(
@@ -380,11 +439,18 @@ def reset(s: PoolState) -> tuple[PoolState, bool]:
     error=lambda s, src, dst: ValueError(f"move_key: block {src} must have a key and block {dst} none"),
     enabled=True,
 )
-@icontract.ensure(lambda s, src, dst, result: result.key[dst] == s.key[src] and result.key[src] is None, "INV-POOL-KEY-CONSISTENT: the key moved", enabled=True)
+@icontract.ensure(
+    lambda s, src, dst, result: entries(result, dst) == entries(s, src) and result.key[src] is None
+    and not result.prefixes[src],
+    "INV-POOL-KEY-CONSISTENT: every key of src moved to dst",
+    enabled=True,
+)
 @icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: move_key keeps the pool well formed", enabled=True)
 def move_key(s: PoolState, src: int, dst: int) -> PoolState:
-    """Move src's key (and its length and age) to dst: the running Mamba owner keeps writing src."""
+    """Move src's keys (with their lengths and ages) to dst: the running Mamba owner keeps writing
+    src, whose cached contents now live in the copy dst."""
     key = _replace(_replace(s.key, dst, s.key[src]), src, None)
     ntok = _replace(_replace(s.ntok, dst, s.ntok[src]), src, 0)
     stamp = _replace(s.stamp, dst, s.stamp[src])
-    return PoolState(s.ref, key, ntok, stamp, s.free, s.clock)
+    prefixes = _replace(_replace(s.prefixes, dst, s.prefixes[src]), src, ())
+    return PoolState(s.ref, key, ntok, stamp, s.free, s.clock, prefixes)

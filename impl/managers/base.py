@@ -3,7 +3,6 @@ copies and retained references, and freeing."""
 
 from __future__ import annotations
 
-from typing import Optional
 
 from kvproof.impl.block_pool import NULL_BLOCK, BlockPool
 from kvproof.impl.hashing import key_at
@@ -66,9 +65,6 @@ class SingleTypeManager:
     not.
     """
 
-    #: Whether hits may end inside one of this group's blocks at a hash boundary.
-    fine_grained = True
-
     def __init__(
         self,
         group_id: int,
@@ -91,13 +87,6 @@ class SingleTypeManager:
         self.tables: dict[str, list[int]] = {}
 
     # --- queries --------------------------------------------------------------------------------
-
-    def key(self, request: Request, num_tokens: int):
-        return key_at(request.block_hashes, num_tokens, self.hash_block_size, self.group_id)
-
-    def lookup(self, request: Request, num_tokens: int) -> Optional[int]:
-        """The block holding this group's entry for the request's ``num_tokens`` prefix."""
-        return self.pool.lookup((request.block_hashes[num_tokens // self.hash_block_size - 1], self.group_id))
 
     def find_hit(self, request: Request, bound: int) -> tuple[int, list[int]]:
         """Largest N <= ``bound`` (a multiple of the alignment) this group can restore, and the
@@ -142,9 +131,6 @@ class SingleTypeManager:
         """Mutates. Key what the forward pass just computed (called after the step ran)."""
         raise NotImplementedError
 
-    def end_step(self, request: Request) -> None:
-        """Mutates. Release what the finished step no longer needs (default: nothing)."""
-
     def free(self, request: Request) -> None:
         """Mutates. Drop the request's references, tail first (its tail is evicted first)."""
         table = self.tables.pop(request.request_id, None)
@@ -160,14 +146,15 @@ class SingleTypeManager:
         table.extend(new)
         return new
 
-    def _key_full_blocks(self, request: Request, table: list[int], first: int, last: int) -> None:
+    def _key_full_blocks(self, request: Request, table: list[int], first: int, last: int, keep_prefixes: bool = False) -> None:
         """Mutates. Give blocks ``first .. last-1`` of ``table`` their full-block keys (the fine
-        hash at each block's end); null entries are skipped."""
-        b, per_block, gid = self.block_size, self.block_size // self.hash_block_size, self.group_id
+        hash at each block's end); null entries are skipped. ``keep_prefixes``: the blocks'
+        partial keys stay as prefix keys (append-only KV)."""
+        b, h, gid = self.block_size, self.hash_block_size, self.group_id
         hashes, cache_full, keyed = request.block_hashes, self.pool.cache_full, self.ledger.keyed
         for j in range(first, last):
             blk = table[j]
-            if blk != NULL_BLOCK and cache_full(blk, (hashes[(j + 1) * per_block - 1], gid), (j + 1) * b):
+            if blk != NULL_BLOCK and cache_full(blk, key_at(hashes, (j + 1) * b, h, gid), (j + 1) * b, keep_prefixes):
                 keyed.add(blk)
 
     def _fresh(self, n: int) -> list[int]:

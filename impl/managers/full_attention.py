@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from kvproof.impl.hashing import key_at
 from kvproof.impl.managers.base import SingleTypeManager
 from kvproof.impl.request import Request
 
@@ -12,9 +13,11 @@ class FullAttentionManager(SingleTypeManager):
     so a hit may end inside a block (at a hash boundary) by copying that block (copy-on-write:
     the owner keeps appending to it).
 
-    Caching keeps one key per block: the full-block key once the block is complete, before
-    that (with partial hits on) a partial key at the last computed hash boundary, which grows
-    forward as the block fills (the pool retires the shorter key; no stale key survives).
+    Caching: with partial hits on, a partial key at each step's last computed hash boundary,
+    and the full-block key once the block is complete. The KV is append-only, so the block
+    keeps its earlier keys as prefix keys (the pool's ``keep_prefixes``): a request that
+    diverges inside the block -- after the prompt's tail, or after a chunk end -- still finds
+    the longest prefix it shares. They leave with the block (eviction drops them all).
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -36,10 +39,9 @@ class FullAttentionManager(SingleTypeManager):
         target = min(bound + self._eagle_unit, hashed)
         lookup = self.pool.lookup
         blocks: list[int] = []
-        per_block = b // h
         # Whole blocks: their keys are the fine hash at each block end.
         for j in range(target // b):
-            found = lookup((hashes[(j + 1) * per_block - 1], group))
+            found = lookup(key_at(hashes, (j + 1) * b, h, group))
             if found is None:
                 break
             blocks.append(found)
@@ -51,7 +53,7 @@ class FullAttentionManager(SingleTypeManager):
             lowest = covered + h if self._probe_partial else top
             n = top
             while n >= lowest:
-                found = lookup((hashes[n // h - 1], group))
+                found = lookup(key_at(hashes, n, h, group))
                 if found is not None:
                     blocks.append(found)
                     covered = min(n, target)
@@ -103,11 +105,11 @@ class FullAttentionManager(SingleTypeManager):
         full = limit // b
         if full == full_done and (not self._probe_partial or limit - limit % h <= partial_done):
             return  # nothing new to key (most decode steps)
-        self._key_full_blocks(request, table, full_done, full)
+        self._key_full_blocks(request, table, full_done, full, keep_prefixes=True)
         boundary = limit - limit % h
         if self._probe_partial and boundary % b and boundary > partial_done:
             blk = table[boundary // b]
-            if self.pool.cache_partial(blk, (hashes[boundary // h - 1], self.group_id), boundary):
+            if self.pool.cache_partial(blk, key_at(hashes, boundary, h, self.group_id), boundary, keep_prefixes=True):
                 self.ledger.keyed.add(blk)
             partial_done = boundary
         self._keyed[rid] = (max(full, full_done), partial_done)

@@ -4,6 +4,7 @@ every DCP rank, kept in the block at index ``cdiv(n, B) - 1`` after ``n`` comput
 from __future__ import annotations
 
 from kvproof.impl.block_pool import NULL_BLOCK
+from kvproof.impl.hashing import key_at
 from kvproof.impl.managers.base import SingleTypeManager
 from kvproof.impl.request import Request
 from kvproof.spec.contracts import InvariantViolation
@@ -42,8 +43,8 @@ class MambaManager(SingleTypeManager):
         self._state_index: dict[str, int] = {}
         # request id -> (cached state block, its copy): key moves once the step has run
         self._pending_move: dict[str, tuple[int, int]] = {}
-        # request id -> row indices of blocks the running step still reads (the old state) or
-        # that fell below the new state (old speculative blocks); released once it has run
+        # request id -> row index of the old state, which the running step still reads;
+        # released once it has run
         self._superseded: dict[str, list[int]] = {}
 
     def row_length(self, total_tokens: int) -> int:
@@ -57,7 +58,7 @@ class MambaManager(SingleTypeManager):
         n = min(bound, len(hashes) * h)
         n -= n % a
         while n > 0:
-            found = lookup((hashes[n // h - 1], group))
+            found = lookup(key_at(hashes, n, h, group))
             if found is not None:
                 return n, [NULL_BLOCK] * (-(-n // b) - 1) + [found]
             n -= a
@@ -68,11 +69,19 @@ class MambaManager(SingleTypeManager):
     # Row layout between steps: the state block at index i, ``num_speculative_blocks`` scratch
     # blocks right after it, null everywhere else. Advancing the state to index j > i grows the
     # row to ``j + Sp + 1`` entries (the worker row is append-only): a scratch block already at j
-    # becomes the new state, positions below j that are new stay null, and the old state plus
-    # the scratch blocks left below j are released after the step (they are read during it).
+    # becomes the new state, scratch blocks left below j move up to fill the new positions (they
+    # hold nothing the step reads), new positions below j stay null, and the old state is
+    # released after the step (it is read during it). So a request holds at most 2 + Sp real
+    # blocks during a step, as in vLLM (its speculative blocks are relocated the same way).
 
-    def _fresh_needed(self, length: int, new_index: int) -> int:
-        return max(new_index + self._spec + 1 - max(length, new_index), 0)
+    def _fresh_needed(self, table: list[int], index: int, new_index: int) -> int:
+        placed = max(new_index + self._spec + 1 - max(len(table), new_index), 0)
+        return max(placed - len(self._relocatable(table, index, new_index)), 0)
+
+    @staticmethod
+    def _relocatable(table: list[int], index: int, new_index: int) -> list[int]:
+        """Row positions of the scratch blocks that fall below a state advancing to ``new_index``."""
+        return [i for i in range(index + 1, min(new_index, len(table))) if table[i] != NULL_BLOCK]
 
     def blocks_needed(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> int:
         b = self.block_size
@@ -80,11 +89,12 @@ class MambaManager(SingleTypeManager):
         rid = request.request_id
         table = self.tables.get(rid)
         if table is not None:
-            if new_index > self._state_index[rid]:
-                return self._fresh_needed(len(table), new_index)
+            index = self._state_index[rid]
+            if new_index > index:
+                return self._fresh_needed(table, index, new_index)
             return 1 if self.pool.key_of(table[new_index]) is not None else 0
         cow = 1 if hit_len % b else 0
-        return cow + self._fresh_needed(len(hit_blocks), new_index) + self._evictable(hit_blocks)
+        return cow + self._fresh_needed(hit_blocks, len(hit_blocks) - 1, new_index) + self._evictable(hit_blocks)
 
     def allocate(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> list[int]:
         rid, b = request.request_id, self.block_size
@@ -119,16 +129,20 @@ class MambaManager(SingleTypeManager):
         return []
 
     def _advance(self, rid: str, table: list[int], index: int, new_index: int) -> None:
-        """Mutates. Grow the row so the state sits at ``new_index`` with its scratch blocks."""
+        """Mutates. Grow the row so the state sits at ``new_index`` with its scratch blocks,
+        moving scratch blocks that fall below it into the new positions."""
         length = len(table)
         first_real = max(length, new_index)
+        moved = []
+        for i in self._relocatable(table, index, new_index):
+            moved.append(table[i])
+            table[i] = NULL_BLOCK
+        placed = new_index + self._spec + 1 - first_real
         table.extend([NULL_BLOCK] * (first_real - length))
-        table.extend(self._fresh(new_index + self._spec + 1 - first_real))
+        table.extend(moved + self._fresh(placed - len(moved)))  # placed >= len(moved): see _relocatable
         self._state_index[rid] = new_index
-        if new_index > index:
-            below = [i for i in range(max(index, 0), min(new_index, length)) if table[i] != NULL_BLOCK]
-            if below:
-                self._superseded[rid] = below
+        if 0 <= index < new_index and table[index] != NULL_BLOCK:
+            self._superseded[rid] = [index]
 
     # --- after the step -------------------------------------------------------------------------
 
@@ -142,7 +156,7 @@ class MambaManager(SingleTypeManager):
             pool.move_key(state, copy)
             pool.free([copy])  # the copy is held by the cache only: evictable, hittable
         index = self._state_index[rid]
-        # Release the old state and the scratch blocks below the new state: the step ran.
+        # Release the old state: the step that read it ran.
         below = self._superseded.pop(rid, None)
         if below:
             pool.free([table[i] for i in reversed(below)])
@@ -164,7 +178,7 @@ class MambaManager(SingleTypeManager):
                            junctions=request.junctions, exact_junction=self.exact_junction):
             return
         block = table[index]
-        key = (request.block_hashes[n // h - 1], self.group_id)
+        key = key_at(request.block_hashes, n, h, self.group_id)
         if n % b == 0:
             if pool.key_of(block) != key and pool.cache_full(block, key, n):
                 self.ledger.keyed.add(block)

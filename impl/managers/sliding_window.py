@@ -4,6 +4,7 @@ out of the window are released; hits are block-aligned (no fine-grained lookup).
 from __future__ import annotations
 
 from kvproof.impl.block_pool import NULL_BLOCK
+from kvproof.impl.hashing import key_at
 from kvproof.impl.managers.base import SingleTypeManager
 from kvproof.impl.request import Request
 
@@ -26,7 +27,6 @@ class SlidingWindowManager(SingleTypeManager):
     def find_hit(self, request: Request, bound: int) -> tuple[int, list[int]]:
         a, b, h = self.alignment, self.block_size, self.hash_block_size
         hashes, group, lookup = request.block_hashes, self.group_id, self.pool.lookup
-        per_block = b // h
         n = min(bound, len(hashes) * h)
         n -= n % a
         while n > 0:
@@ -34,7 +34,7 @@ class SlidingWindowManager(SingleTypeManager):
                 first = self._first_needed(n)
                 found = []
                 for j in range(first, n // b):
-                    blk = lookup((hashes[(j + 1) * per_block - 1], group))
+                    blk = lookup(key_at(hashes, (j + 1) * b, h, group))
                     if blk is None:
                         break
                     found.append(blk)

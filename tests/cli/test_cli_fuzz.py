@@ -12,7 +12,6 @@ In-process runs cover many cases quickly; a few real processes check what only t
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import io
 import json
@@ -25,7 +24,7 @@ import tempfile
 import time
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvproof.cli.main import main
@@ -183,7 +182,7 @@ def _names_the_value(line: str, argv: list[str]) -> bool:
             or re.search(r"\bline \d+", message) is not None or "request " in message)
 
 
-def check_run(command: str, argv: list[str], seen: collections.Counter, tmp: str) -> None:
+def check_run(command: str, argv: list[str], reach, tmp: str) -> None:
     out, err = io.StringIO(), io.StringIO()
     before = set(os.listdir(tmp))
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -201,9 +200,7 @@ def check_run(command: str, argv: list[str], seen: collections.Counter, tmp: str
     assert set(os.listdir(tmp)) == before, (argv, set(os.listdir(tmp)) - before)
     helpers = _helpers()
     assert set(_children()) <= helpers, (argv, _children(), helpers)  # no rank outlives its run
-    label = f"{command} exit {code}"
-    seen[label] += 1
-    event(label)
+    reach(f"{command} exit {code}")
 
 
 @pytest.fixture
@@ -228,33 +225,34 @@ def _torch_available() -> bool:
     return True
 
 
-def _fuzz(command: str, examples: int, tmp: str, trace_path: str) -> collections.Counter:
-    seen: collections.Counter = collections.Counter()
-
-    @settings(derandomize=True, max_examples=examples, deadline=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
-    @given(data=st.data())
-    def run(data):
-        if command != "geometry":
-            with open(trace_path, "wb") as f:
-                f.write(data.draw(trace_bytes(), label="trace"))
-        check_run(command, data.draw(argument_lists(command, trace_path), label="argv"), seen, tmp)
-
-    run()
-    return seen
+FUZZ_SETTINGS = dict(
+    deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
+                                          HealthCheck.function_scoped_fixture],
+)
 
 
-@pytest.mark.parametrize("command, examples", [("geometry", 100), ("replay", 120)])
-def test_fuzz_in_process(private_tmp, tmp_path, command, examples):
-    seen = _fuzz(command, examples, private_tmp, str(tmp_path / "trace.jsonl"))
+def _run_one(command: str, data, tmp: str, trace_path: str, reach) -> None:
+    if command != "geometry":
+        with open(trace_path, "wb") as f:
+            f.write(data.draw(trace_bytes(), label="trace"))
+    check_run(command, data.draw(argument_lists(command, trace_path), label="argv"), reach, tmp)
+
+
+@pytest.mark.parametrize("command", ["geometry", "replay"])
+@settings(max_examples=120, **FUZZ_SETTINGS)
+@given(data=st.data())
+def test_fuzz_in_process(reach, private_tmp, tmp_path, command, data):
     # A fixed-seed run must reach both refusals and real runs.
-    assert seen[f"{command} exit 2"] >= examples // 4 and seen[f"{command} exit 0"] >= 10, seen
+    reach.minimums = {f"{command} exit 2": 30, f"{command} exit 0": 10}
+    _run_one(command, data, private_tmp, str(tmp_path / "trace.jsonl"), reach)
 
 
-def test_fuzz_e2e_in_process(private_tmp, tmp_path):
+@settings(max_examples=25, **FUZZ_SETTINGS)
+@given(data=st.data())
+def test_fuzz_e2e_in_process(reach, private_tmp, tmp_path, data):
     pytest.importorskip("torch")
-    seen = _fuzz("e2e", 25, private_tmp, str(tmp_path / "trace.jsonl"))
-    assert seen["e2e exit 2"] >= 5 and seen["e2e exit 0"] >= 3, seen
+    reach.minimums = {"e2e exit 2": 5, "e2e exit 0": 3}
+    _run_one("e2e", data, private_tmp, str(tmp_path / "trace.jsonl"), reach)
 
 
 # --- real processes -------------------------------------------------------------------------------
@@ -276,46 +274,41 @@ def _session_processes(session: int) -> list[int]:
 
 
 @pytest.mark.skipif(not LINUX, reason="reads the process table in /proc")
-def test_fuzz_real_processes(tmp_path):
+@settings(max_examples=10, **FUZZ_SETTINGS)
+@given(data=st.data())
+def test_fuzz_real_processes(reach, tmp_path, data):
     """Real ``kvproof`` processes: status, one line on stderr (the ranks' output included), and
     after exit an empty temporary directory and no process left in the session."""
+    reach.minimums = {"geometry": 1, "replay": 1}
     tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    tmp.mkdir(exist_ok=True)
     trace_path = str(tmp_path / "trace.jsonl")
-    seen: collections.Counter = collections.Counter()
     commands = ["geometry", "replay"] + (["e2e"] if _torch_available() else [])
-
-    @settings(derandomize=True, max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-    @given(data=st.data())
-    def run(data):
-        command = data.draw(st.sampled_from(commands), label="command")
-        if command == "e2e" and seen["e2e"] >= 2:  # each one starts torch and a fork server: a few suffice
-            command = "replay"
-        seen[command] += 1
-        with open(trace_path, "wb") as f:
-            f.write(data.draw(trace_bytes(), label="trace"))
-        argv = data.draw(argument_lists(command, trace_path), label="argv")
-        p = subprocess.Popen([sys.executable, "-m", "kvproof", *argv], env={**os.environ, "TMPDIR": str(tmp)},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-        try:
-            _, err = p.communicate(timeout=300)
-        finally:
-            if p.poll() is None:
-                p.kill()
-        text = err.decode("utf-8", "backslashreplace")
-        assert p.returncode in (0, 1, 2), (argv, p.returncode, text)
-        assert "Traceback" not in text, (argv, text)
-        if p.returncode == 2:
-            assert len(text.splitlines()) == 1, (argv, text)
-            assert _names_the_value(text.splitlines()[0], argv), (argv, text)
-        end = time.monotonic() + 5
-        while (os.listdir(tmp) or _session_processes(p.pid)) and time.monotonic() < end:
-            time.sleep(0.05)
-        left = _session_processes(p.pid)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-        assert not left and not os.listdir(tmp), (argv, left, os.listdir(tmp))
-        event(f"{command} exit {p.returncode}")
-
-    run()
-    assert seen["geometry"] and seen["replay"], seen
+    command = data.draw(st.sampled_from(commands), label="command")
+    if command == "e2e" and reach.counts["e2e"] >= 2:  # each one starts torch and a fork server: a few suffice
+        command = "replay"
+    reach(command)
+    with open(trace_path, "wb") as f:
+        f.write(data.draw(trace_bytes(), label="trace"))
+    argv = data.draw(argument_lists(command, trace_path), label="argv")
+    p = subprocess.Popen([sys.executable, "-m", "kvproof", *argv], env={**os.environ, "TMPDIR": str(tmp)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = err.decode("utf-8", "backslashreplace")
+    assert p.returncode in (0, 1, 2), (argv, p.returncode, text)
+    assert "Traceback" not in text, (argv, text)
+    if p.returncode == 2:
+        assert len(text.splitlines()) == 1, (argv, text)
+        assert _names_the_value(text.splitlines()[0], argv), (argv, text)
+    end = time.monotonic() + 5
+    while (os.listdir(tmp) or _session_processes(p.pid)) and time.monotonic() < end:
+        time.sleep(0.05)
+    left = _session_processes(p.pid)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left and not os.listdir(tmp), (argv, left, os.listdir(tmp))
+    reach(f"{command} exit {p.returncode}")

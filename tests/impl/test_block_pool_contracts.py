@@ -77,9 +77,15 @@ SEEDED_BUGS = {
         ("        self._attach(block, key, num_tokens, holders)\n        return True\n\n    @slow_tier", "        self._attach(block, key, num_tokens + 1, holders)\n        return True\n\n    @slow_tier"),
         lambda pool: (pool.allocate(1), pool.cache_full(1, ("k", 0), 4)),
     ),
-    "INV-POOL-KEY-CONSISTENT: evicted blocks have no key": (
+    "INV-POOL-PREFIX-KEYS: evicted blocks have no key": (
         ("            if self._key[b] is not None:\n                self._drop_key(b)\n                dropped += 1\n", "            pass\n"),
         lambda pool: (pool.allocate(1), pool.cache_full(1, ("k", 0), 2), pool.evict([1])),
+    ),
+    "INV-POOL-PREFIX-KEYS: with keep_prefixes the block keeps every key it had": (
+        ("            self._demote(block) if keep_prefixes else self._drop_key(block)\n        self._attach(block, key, num_tokens, holders)\n        return True\n\n    @icontract.ensure(",
+         "            self._drop_key(block)\n        self._attach(block, key, num_tokens, holders)\n        return True\n\n    @icontract.ensure("),
+        lambda pool: (pool.allocate(1), pool.cache_partial(1, ("k2", 0), 2, keep_prefixes=True),
+                      pool.cache_partial(1, ("k4", 0), 4, keep_prefixes=True)),
     ),
     "INV-POOL-RESET-IDLE": (
         ("        if self._num_free != self._num_blocks - 1:\n            return False\n", ""),
@@ -89,7 +95,7 @@ SEEDED_BUGS = {
         ("        self._holders.clear()\n", ""),
         lambda pool: (pool.allocate(1), pool.cache_full(1, ("k", 0), 2), pool.free([1]), pool.reset()),
     ),
-    "INV-POOL-KEY-CONSISTENT: the key moved": (
+    "INV-POOL-KEY-CONSISTENT: the keys moved": (
         ("        self._key[src], self._ntok[src] = None, 0\n", ""),
         lambda pool: (pool.allocate(2), pool.cache_full(1, ("k", 0), 2), pool.move_key(1, 2)),
     ),
@@ -135,8 +141,13 @@ def corrupted(corrupt):
     return pool
 
 
-def _share_a_block_between_two_keys(pool):
+def _list_a_block_under_a_key_it_does_not_carry(pool):
     pool._holders[("p", 0)].append(1)
+
+
+def _give_a_block_a_prefix_key_longer_than_its_primary(pool):
+    pool._prefixes[1] = [(("q", 0), 9)]
+    pool._holders[("q", 0)] = [1]
 
 
 CORRUPTIONS = {
@@ -148,7 +159,8 @@ CORRUPTIONS = {
     "INV-POOL-CONSERVE (free counter)": lambda pool: setattr(pool, "_num_free", 2),
     "INV-POOL-KEY-CONSISTENT": lambda pool: pool._ntok.__setitem__(3, 7),
     "INV-POOL-KEY-LENGTH": lambda pool: (pool._holders[("k", 0)].append(3), pool._key.__setitem__(3, ("k", 0)), pool._ntok.__setitem__(3, 6)),
-    "INV-POOL-NO-STALE-PARTIAL": _share_a_block_between_two_keys,
+    "INV-POOL-KEY-CONSISTENT (a key lists a block that does not carry it)": _list_a_block_under_a_key_it_does_not_carry,
+    "INV-POOL-PREFIX-KEYS": _give_a_block_a_prefix_key_longer_than_its_primary,
 }
 
 

@@ -49,6 +49,10 @@ def _outcome(call):
         return "ValueError", None
 
 
+#: The caching calls the machine makes: full or partial keys, a rewritten state (replace), or
+#: append-only growth that keeps the block's older keys as prefix keys (keep).
+CACHE_KINDS = ["full", "full keep", "partial", "partial keep", "replace"]
+
 tokens_strategy = st.lists(st.integers(0, 2), min_size=H, max_size=4 * H).map(lambda t: tuple(t[: len(t) - len(t) % H]))
 
 
@@ -61,8 +65,10 @@ class CacheKey(NamedTuple):
 class Request:
     """A running request of the minimal manager: its prefix, group, block size and blocks."""
 
-    def __init__(self, prefix: Prefix, group: int, block_tokens: int, blocks: list[int]) -> None:
+    def __init__(self, prefix: Prefix, group: int, block_tokens: int, blocks: list[int], keep: bool) -> None:
         self.prefix, self.group, self.block_tokens, self.blocks = prefix, group, block_tokens, blocks
+        #: Append-only contents (attention): growing a block keeps its older keys as prefix keys.
+        self.keep = keep
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -146,7 +152,9 @@ class PoolMachine(RuleBasedStateMachine):
         event("lookup hit" if found is not None else "lookup miss")
         if found is None:
             return
-        assert self.content.get(found) == ck.names, f"cache hit on block {found} returns the wrong content"
+        held = self.content.get(found)
+        assert held is not None and held[::2] == ck.names[::2] and held[1][: len(ck.names[1])] == ck.names[1], (
+            f"cache hit on block {found} returns {held}, not the prefix {ck.names}")
         self.pool.touch([found])
         self.model = spec.touch(self.model, [found])
         self.held.append(found)
@@ -160,15 +168,27 @@ class PoolMachine(RuleBasedStateMachine):
             self.model = expected[1]
             self.held.extend(b for b in touched if b != spec.NULL_BLOCK)
 
+    def _owned(self, *blocks) -> bool:
+        """Whether a request owns one of ``blocks``: its manager alone keys them (the loose calls
+        below exercise the pool API on every other block, stale and invalid ids included)."""
+        if any(b in r.blocks for r in self.requests for b in blocks):
+            event("a request's block left to its manager")
+            return True
+        return False
+
     def _cache(self, block, ck, kind):
+        if self._owned(block):
+            return
         key, n = ck.key, ck.num_tokens
-        if kind == "full":
-            got = _outcome(lambda: self.pool.cache_full(block, key, n))
-            expected = _outcome(lambda: spec.cache_full(self.model, block, key, n))
+        # A caller keeps older keys only when it appends: the new prefix continues the block's.
+        keep = kind.endswith("keep") and self._continues(block, ck.names)
+        if kind.startswith("full"):
+            got = _outcome(lambda: self.pool.cache_full(block, key, n, keep_prefixes=keep))
+            expected = _outcome(lambda: spec.cache_full(self.model, block, key, n, keep))
         else:
             replace = kind == "replace"
-            got = _outcome(lambda: self.pool.cache_partial(block, key, n, replace=replace))
-            expected = _outcome(lambda: spec.cache_partial(self.model, block, key, n, replace))
+            got = _outcome(lambda: self.pool.cache_partial(block, key, n, replace=replace, keep_prefixes=keep))
+            expected = _outcome(lambda: spec.cache_partial(self.model, block, key, n, replace, keep))
         if expected[0] == "ok":
             self.model, result = expected[1]
             expected = ("ok", result)
@@ -177,17 +197,24 @@ class PoolMachine(RuleBasedStateMachine):
         event(f"cache {kind}: {expected[0] if expected[0] != 'ok' else expected[1]}")
         assert got == expected, (kind, block, n, got, expected)
 
+    def _continues(self, block, named) -> bool:
+        """Whether ``named`` (salt, tokens, group) extends what ``block`` holds (or it holds nothing)."""
+        old = self.content.get(block) if isinstance(block, int) else None
+        return old is None or (old[0] == named[0] and old[2] == named[2] and named[1][: len(old[1])] == old[1])
+
     @precondition(lambda self: self.held)
-    @rule(data=st.data(), ck=keys, kind=st.sampled_from(["full", "partial", "replace"]))
+    @rule(data=st.data(), ck=keys, kind=st.sampled_from(CACHE_KINDS))
     def cache_held(self, data, ck, kind):
         self._cache(data.draw(st.sampled_from(self.held)), ck, kind)
 
-    @rule(block=st.one_of(blocks, st.integers(-1, 9)), ck=keys, kind=st.sampled_from(["full", "partial", "replace"]))
+    @rule(block=st.one_of(blocks, st.integers(-1, 9)), ck=keys, kind=st.sampled_from(CACHE_KINDS))
     def cache_any(self, block, ck, kind):
         self._cache(block, ck, kind)
 
     @rule(evicted=st.lists(st.one_of(blocks, st.integers(-1, 9)), max_size=3))
     def evict(self, evicted):
+        if self._owned(*evicted):
+            return
         got = _outcome(lambda: self.pool.evict(evicted))
         expected = _outcome(lambda: spec.evict(self.model, evicted))
         assert got[0] == expected[0], (evicted, got, expected)
@@ -196,6 +223,8 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(src=blocks, dst=blocks)
     def move_key(self, src, dst):
+        if self._owned(src, dst):
+            return
         got = _outcome(lambda: self.pool.move_key(src, dst))
         expected = _outcome(lambda: spec.move_key(self.model, src, dst))
         assert got[0] == expected[0], (src, dst, got, expected)
@@ -225,13 +254,13 @@ class PoolMachine(RuleBasedStateMachine):
         assert found == spec.lookup(self.model, key), key
         return found
 
-    def _cache_both(self, block, key, n, full):
+    def _cache_both(self, block, key, n, full, keep):
         if full:
-            got = self.pool.cache_full(block, key, n)
-            self.model, expected = spec.cache_full(self.model, block, key, n)
+            got = self.pool.cache_full(block, key, n, keep_prefixes=keep)
+            self.model, expected = spec.cache_full(self.model, block, key, n, keep)
         else:
-            got = self.pool.cache_partial(block, key, n)
-            self.model, expected = spec.cache_partial(self.model, block, key, n)
+            got = self.pool.cache_partial(block, key, n, keep_prefixes=keep)
+            self.model, expected = spec.cache_partial(self.model, block, key, n, False, keep)
         assert got == expected, (block, n, full, got, expected)
         return got
 
@@ -246,7 +275,7 @@ class PoolMachine(RuleBasedStateMachine):
             key = key_at(p.hashes, end, H, g)
             named = (p.salt, p.tokens[:end], g)
             self.keys_seen[key] = named
-            if self._cache_both(req.blocks[j], key, end, full=end == (j + 1) * bs):
+            if self._cache_both(req.blocks[j], key, end, full=end == (j + 1) * bs, keep=req.keep):
                 self.content[req.blocks[j]] = named
 
     def _forget_reference(self, block: int) -> None:
@@ -260,8 +289,9 @@ class PoolMachine(RuleBasedStateMachine):
         req.blocks.remove(block)
         self.held.extend(req.blocks)
 
-    @rule(prefix=prefixes, group=st.sampled_from(GROUPS), block_tokens=st.sampled_from([H, 2 * H]))
-    def prefill(self, prefix, group, block_tokens):
+    @rule(prefix=prefixes, group=st.sampled_from(GROUPS), block_tokens=st.sampled_from([H, 2 * H, 4 * H]),
+          keep=st.booleans())
+    def prefill(self, prefix, group, block_tokens, keep):
         """Admit a request: touch its longest chain of full-block hits, allocate the rest, cache."""
         n_tok, bs = len(prefix.tokens), block_tokens
         hits = []
@@ -269,7 +299,10 @@ class PoolMachine(RuleBasedStateMachine):
             b = self._lookup(key_at(prefix.hashes, (j + 1) * bs, H, group))
             if b is None:
                 break
-            assert self.content.get(b) == (prefix.salt, prefix.tokens[: (j + 1) * bs], group), f"hit block {b} holds the wrong prefix"
+            held = self.content.get(b)
+            want = (prefix.salt, prefix.tokens[: (j + 1) * bs], group)
+            assert held is not None and held[::2] == want[::2] and held[1][: len(want[1])] == want[1], (
+                f"hit block {b} holds {held}, not the prefix {want}")
             hits.append(b)
         event(f"prefill hits {len(hits)} blocks")
         self.pool.touch(hits)
@@ -286,7 +319,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert tuple(got) == taken
         for b in got:
             self.content[b] = None
-        req = Request(prefix, group, bs, hits + got)
+        req = Request(prefix, group, bs, hits + got, keep)
         self._fill(req, len(hits), len(hits) * bs)
         self.requests.append(req)
 
@@ -317,10 +350,15 @@ class PoolMachine(RuleBasedStateMachine):
         req.blocks.extend(got)
         tail = old_tokens // bs
         self._fill(req, tail, old_tokens)
-        if old_tokens % bs:  # the old tail boundary, offered again: must be refused
-            again = self._cache_both(req.blocks[tail], key_at(old_prefix.hashes, old_tokens, H, req.group), old_tokens, full=False)
-            assert again is None, "a boundary the block has outgrown must be refused"
-            event("stale boundary refused")
+        if old_tokens % bs:  # the old tail boundary, offered again (as vLLM 0.33 does every step)
+            again = self._cache_both(req.blocks[tail], key_at(old_prefix.hashes, old_tokens, H, req.group), old_tokens,
+                                     full=False, keep=req.keep)
+            if req.keep:  # an append-only block still holds it, as a prefix key
+                assert again is False, "an append-only block keeps its older boundary as a prefix key"
+                event("prefix key kept")
+            else:
+                assert again is None, "a boundary the block has outgrown must be refused"
+                event("stale boundary refused")
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
@@ -343,9 +381,10 @@ class PoolMachine(RuleBasedStateMachine):
         pool, model = self.pool, self.model
         for b in range(pool.num_blocks):
             assert (pool.ref_count(b), pool.key_of(b), pool.num_tokens_of(b)) == (model.ref[b], model.key[b], model.ntok[b]), b
+            assert pool.keys_of(b) == spec.keys_of(model, b), b
         assert pool.free_order() == model.free
         assert pool.num_free == spec.num_free(model)
-        assert pool.num_cached_keys() == len({k for k in model.key if k is not None})
+        assert pool.num_cached_keys() == len({k for b in range(model.num_blocks) for k, _ in spec.keys_of(model, b)})
         for key in self.keys_seen:
             assert pool.holders(key) == spec.holders(model, key), key
             assert pool.lookup(key) == spec.lookup(model, key), key
@@ -359,11 +398,17 @@ class PoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_key_names_its_content(self):
-        """Content oracle (INV-POOL-HIT-CONTENT): every holder of a key holds exactly the prefix the
-        key names, salt and group included; hence no stale key and no cross-salt sharing."""
+        """Content oracle (INV-POOL-HIT-CONTENT): every holder of a key holds the prefix the key
+        names, salt and group included -- exactly for its primary key, as a prefix of what it
+        holds for a prefix key (append-only contents); hence no stale key and no cross-salt
+        sharing."""
         for key, named in self.keys_seen.items():
             for b in self.pool.holders(key):
-                assert self.content.get(b) == named, f"block {b} holds {self.content.get(b)} but key names {named}"
+                held = self.content.get(b)
+                ok = held is not None and held[0] == named[0] and held[2] == named[2] and held[1][: len(named[1])] == named[1]
+                assert ok, f"block {b} holds {held} but key names {named}"
+                if self.pool.key_of(b) == key:
+                    assert held == named, f"block {b}'s primary key names {named} but it holds {held}"
 
 
 PoolMachine.TestCase.settings = settings(max_examples=250, stateful_step_count=50, deadline=None)

@@ -6,11 +6,10 @@ real replay too, and the real peak must reach it."""
 
 from __future__ import annotations
 
-import collections
 
 import icontract
 import pytest
-from hypothesis import event, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvproof.impl.replay import replay
@@ -20,6 +19,8 @@ from kvproof.spec.capacity import blocks_alone, check_fits_alone
 from kvproof.spec.contracts import guard_like
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.layout import LayoutConfig, resolve_layout
+
+from ..conftest import REACH_SETTINGS
 
 FA, MLA, SW, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MLA, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 
@@ -96,45 +97,36 @@ def _lone_run(lay, prompt_len: int, outputs: int, budget: int, num_blocks: int):
     return peaks, total[0], request.num_computed_tokens
 
 
-def test_the_rule_is_what_a_lone_request_holds_and_a_pool_below_it_fails():
-    seen: collections.Counter = collections.Counter()
-
-    @settings(derandomize=True, max_examples=120, deadline=None)
-    @given(
-        groups=st.sampled_from(_GROUP_SETS),
-        dcp=st.sampled_from([1, 2]),
-        prompt_len=st.integers(1, 40),
-        outputs=st.integers(0, 6),
-        budget=st.sampled_from([1, 3, 8, 64]),
-    )
-    def check(groups, dcp, prompt_len, outputs, budget):
-        lay = layout(*groups, dcp=dcp, max_model_len=256)
-        peaks, total, n = _lone_run(lay, prompt_len, outputs, budget, num_blocks=200)
-        rule = blocks_alone(lay, n)
-        # A lower bound on what the managers really hold, group by group and in all.
-        assert all(p >= r for p, r in zip(peaks, rule)), (peaks, rule)
-        assert total >= sum(rule)
-        # Attention holds exactly every block of its tokens.
-        for g, (p, r) in enumerate(zip(peaks, rule)):
-            if groups[g].kind in (FA, MLA):
-                assert p == r, (g, p, r)
-        # One block short of the rule: the real scheduler cannot run it either.
-        with pytest.raises(CapacityError):
-            replay([TraceRequest("r", tuple(range(100, 100 + prompt_len)), tuple(range(outputs)))],
-                   lay, sum(rule), budget, oracle=False)
-        for g, r in zip(groups, rule):
-            if g.kind is SW and n > (g.sliding_window or 1):
-                seen["window dropped blocks"] += 1
-                event("window dropped blocks")
-            if g.kind is MAMBA and g.num_speculative_blocks:
-                seen["speculative blocks"] += 1
-                event("speculative blocks")
-        if budget < prompt_len:
-            seen["chunked prefill"] += 1
-            event("chunked prefill")
-        if total == sum(rule):
-            seen["rule is tight"] += 1
-            event("rule is tight")
-
-    check()
-    assert min(seen[k] for k in ("window dropped blocks", "speculative blocks", "chunked prefill", "rule is tight")) >= 5, seen
+@settings(max_examples=120, **REACH_SETTINGS)
+@given(
+    groups=st.sampled_from(_GROUP_SETS),
+    dcp=st.sampled_from([1, 2]),
+    prompt_len=st.integers(1, 40),
+    outputs=st.integers(0, 6),
+    budget=st.sampled_from([1, 3, 8, 64]),
+)
+def test_the_rule_is_what_a_lone_request_holds_and_a_pool_below_it_fails(reach, groups, dcp, prompt_len, outputs, budget):
+    reach.minimums = {"window dropped blocks": 5, "speculative blocks": 5, "chunked prefill": 5, "rule is tight": 5}
+    lay = layout(*groups, dcp=dcp, max_model_len=256)
+    peaks, total, n = _lone_run(lay, prompt_len, outputs, budget, num_blocks=200)
+    rule = blocks_alone(lay, n)
+    # A lower bound on what the managers really hold, group by group and in all.
+    assert all(p >= r for p, r in zip(peaks, rule)), (peaks, rule)
+    assert total >= sum(rule)
+    # Attention holds exactly every block of its tokens.
+    for g, (p, r) in enumerate(zip(peaks, rule)):
+        if groups[g].kind in (FA, MLA):
+            assert p == r, (g, p, r)
+    # One block short of the rule: the real scheduler cannot run it either.
+    with pytest.raises(CapacityError):
+        replay([TraceRequest("r", tuple(range(100, 100 + prompt_len)), tuple(range(outputs)))],
+               lay, sum(rule), budget, oracle=False)
+    for g, r in zip(groups, rule):
+        if g.kind is SW and n > (g.sliding_window or 1):
+            reach("window dropped blocks")
+        if g.kind is MAMBA and g.num_speculative_blocks:
+            reach("speculative blocks")
+    if budget < prompt_len:
+        reach("chunked prefill")
+    if total == sum(rule):
+        reach("rule is tight")

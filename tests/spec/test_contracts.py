@@ -47,13 +47,13 @@ def test_slow_switch_takes_only_a_bool():
 
 
 def test_cheap_conditions_stay_on_with_the_switch_off(monkeypatch):
-    """evict's INV-POOL-KEY-CONSISTENT postcondition is cheap (O(blocks touched)): always on."""
+    """evict's INV-POOL-PREFIX-KEYS postcondition is cheap (O(blocks touched)): always on."""
     monkeypatch.setattr(BlockPool, "_drop_key", lambda self, b: None)
     with contracts.slow_checks(False):
         pool = BlockPool(4)
         (b,) = pool.allocate(1)
         pool.cache_full(b, ("k", 0), 2)
-        with pytest.raises(icontract.ViolationError, match="INV-POOL-KEY-CONSISTENT"):
+        with pytest.raises(icontract.ViolationError, match="INV-POOL-PREFIX-KEYS"):
             pool.evict([b])
 
 
