@@ -49,22 +49,23 @@ OPERATORS = (
 )
 
 #: The fast tests that judge each module (paths relative to the repository root).
-SPEC_TESTS = ("tests/spec/test_arith.py", "tests/spec/test_geometry.py", "tests/spec/test_geometry_contracts.py", "tests/spec/test_placement.py")
+SPEC_TESTS = ("tests/spec/test_arith.py", "tests/spec/test_mutants.py", "tests/spec/test_geometry.py", "tests/spec/test_geometry_contracts.py", "tests/spec/test_placement.py")
 TESTS = {
     "spec/arith.py": SPEC_TESTS,
     "spec/geometry.py": SPEC_TESTS,
     "spec/placement.py": SPEC_TESTS,
     "spec/groups.py": SPEC_TESTS + ("tests/cli/test_geometry_cli.py",),
     "spec/layout.py": SPEC_TESTS + ("tests/cli/test_geometry_cli.py",),
-    "spec/block_pool.py": ("tests/spec/test_block_pool_spec.py", "tests/impl/test_block_pool_machine.py",
+    "spec/block_pool.py": ("tests/spec/test_mutants.py", "tests/spec/test_block_pool_spec.py", "tests/impl/test_block_pool_machine.py",
                            "tests/proofs/test_pool_and_hit_checks.py"),
     "spec/contracts.py": ("tests/spec/test_contracts.py::test_slow_switch_is_read_at_call_time_both_ways",
                           "tests/spec/test_contracts.py::test_slow_switch_takes_only_a_bool",
                           "tests/spec/test_contracts.py::test_cheap_conditions_stay_on_with_the_switch_off",
                           "tests/spec/test_contracts.py::test_the_switch_starts_from_icontract_slow",
                           "tests/spec/test_contracts.py::test_replay_slow_turns_the_switch_on_for_the_run",
-                          "tests/impl/test_block_pool_contracts.py", "tests/spec/test_geometry_contracts.py"),
-    "impl/block_pool.py": ("tests/impl/test_block_pool.py", "tests/impl/test_block_pool_contracts.py",
+                          "tests/impl/test_block_pool_contracts.py", "tests/spec/test_geometry_contracts.py",
+                          "tests/spec/test_mutants.py"),
+    "impl/block_pool.py": ("tests/spec/test_mutants.py", "tests/impl/test_block_pool.py", "tests/impl/test_block_pool_contracts.py",
                            "tests/impl/test_block_pool_machine.py"),
 }
 
