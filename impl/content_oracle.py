@@ -92,6 +92,8 @@ class ContentOracle:
             )
             for g in layout.groups
         ]
+        self._state_groups = [g for g in self.groups if g.state]
+        self._kv_groups = [g for g in self.groups if not g.state]
         # (group, block) -> per rank: sorted, disjoint segments (lo, hi, prefix, base): the slots
         # lo..hi-1 of the block hold prefix's KV of positions base + slot (base: the row index
         # times the block's span, for the request that wrote them)
@@ -102,6 +104,8 @@ class ContentOracle:
         self._readers: dict[tuple[int, int], dict[str, int]] = {}
         self.rows: dict[str, list[list[int]]] = {}
         self._prefixes: dict[str, _Prefix] = {}
+        # blocks whose earlier contents changed in the running step (see _changed)
+        self._changed_now: set[tuple[int, int]] = set()
         # (request, group) -> positions [0, n) verified, unchanged since (see _changed)
         self._verified: dict[tuple[str, int], int] = {}
         self.violations: list[str] = []
@@ -110,9 +114,15 @@ class ContentOracle:
 
     def run_step(self, plan) -> None:
         """Apply a scheduled step: rows, copies (batched), then each chunk's reads and writes."""
+        self._changed_now.clear()
         work = []
+        prefixes = self._prefixes
         for chunk in plan.chunks:
-            rid = chunk.request.request_id
+            req = chunk.request
+            rid = req.request_id
+            prefix = prefixes.get(rid)
+            if prefix is None or prefix.tokens is not req.token_ids:
+                prefix = prefixes[rid] = _Prefix(req.token_ids, req.cache_salt)
             if chunk.overwrite or rid not in self.rows:
                 rows = self.rows[rid] = [list(b) for b in chunk.new_blocks]
                 for g in self.groups:
@@ -125,12 +135,12 @@ class ContentOracle:
                         row.extend(new)
                         grew = True
                 if not grew:  # a decode step: the row widths were checked when they last grew
-                    work.append((chunk, rid, rows, self._prefix(chunk.request)))
+                    work.append((chunk, rid, rows, prefix))
                     continue
             for g, row in zip(self.groups, rows):
                 if len(row) > g.width:
                     self._violation("INV-TABLE-WIDTH", f"request {rid!r}, group {g.gid}: row of {len(row)} entries > width {g.width}")
-            work.append((chunk, rid, rows, self._prefix(chunk.request)))
+            work.append((chunk, rid, rows, prefix))
         self._copy(plan.copies)
         for chunk, rid, rows, prefix in work:
             self._read_states(chunk, rid, rows, prefix)
@@ -149,12 +159,6 @@ class ContentOracle:
 
     def _violation(self, inv: str, detail: str) -> None:
         self.violations.append(f"{inv}: {detail}")
-
-    def _prefix(self, request) -> _Prefix:
-        p = self._prefixes.get(request.request_id)
-        if p is None or p.tokens is not request.token_ids:
-            p = self._prefixes[request.request_id] = _Prefix(request.token_ids, request.cache_salt)
-        return p
 
     # --- placement (spec.placement) -------------------------------------------------------------
 
@@ -226,12 +230,13 @@ class ContentOracle:
     def _write(self, chunk, rows, prefix: _Prefix) -> None:
         start, end = chunk.start, chunk.start + chunk.num_tokens
         dcp = self.dcp
-        for g, row in zip(self.groups, rows):
-            if g.state:
-                i = _table_index(end - 1, g.bs, dcp, False) if g.cacheable else 0
-                if i < len(row):
-                    self._states[(g.gid, row[i])] = (prefix, end)
-                continue
+        for g in self._state_groups:
+            row = rows[g.gid]
+            i = _table_index(end - 1, g.bs, dcp, False) if g.cacheable else 0
+            if i < len(row):
+                self._states[(g.gid, row[i])] = (prefix, end)
+        for g in self._kv_groups:
+            row = rows[g.gid]
             if end - start == 1:  # a decode step: one position, one block, its owner rank(s)
                 i = _table_index(start, g.bs, dcp, g.sharded)
                 blocks = ((i, row[i], start, end),) if i < len(row) else ()
@@ -282,9 +287,8 @@ class ContentOracle:
         start = chunk.start
         if start == 0:
             return
-        for g, row in zip(self.groups, rows):
-            if not g.state:
-                continue
+        for g in self._state_groups:
+            row = rows[g.gid]
             i = _table_index(start - 1, g.bs, self.dcp, False) if g.cacheable else 0
             blk = row[i] if i < len(row) else None
             held = self._states.get((g.gid, blk))
@@ -298,9 +302,8 @@ class ContentOracle:
 
     def _read_attention(self, chunk, rid: str, rows, prefix: _Prefix) -> None:
         end = chunk.start + chunk.num_tokens
-        for g, row in zip(self.groups, rows):
-            if g.state:
-                continue
+        for g in self._kv_groups:
+            row = rows[g.gid]
             first = max(0, chunk.start - g.window + 1) if g.window else 0
             verified = self._verified.get((rid, g.gid), 0)
             lo = max(first, verified)  # positions below `verified` were checked and not changed since
@@ -314,9 +317,12 @@ class ContentOracle:
                     f"past the {len(row)} entries the row holds",
                 )
                 return
+            own = lo >= chunk.start  # every position read was written by this chunk, this step
             for i, blk, a, b in blocks:
                 key = (g.gid, blk)
-                bad = self._check_block(g, key, a, b, prefix, i * g.span)
+                # What this chunk just wrote holds its KV unless another write or a copy of this
+                # step replaced it since: those go through _changed.
+                bad = None if own and key not in self._changed_now else self._check_block(g, key, a, b, prefix, i * g.span)
                 if bad is not None:
                     self._violation(
                         "INV-CONTENT-KV",
@@ -326,12 +332,14 @@ class ContentOracle:
                     return
                 readers = self._readers.get(key)
                 if readers is None:
-                    readers = self._readers[key] = {}
-                readers[rid] = i
+                    self._readers[key] = {rid: i}
+                elif readers.get(rid) != i:
+                    readers[rid] = i
             self._verified[(rid, g.gid)] = end
 
     def _changed(self, key) -> None:
         """Block ``key``'s earlier contents may have changed: its readers check it again."""
+        self._changed_now.add(key)
         readers = self._readers.pop(key, None)
         if readers:
             span = self.groups[key[0]].span
