@@ -16,11 +16,13 @@ Cost: O(blocks touched) per step, not O(tokens). A block's page on a rank is a s
 segments -- "the slots [lo, hi) of this block that this rank owns hold the KV of positions
 base + slot written by the request whose token sequence is ``prefix``" -- so a write or a copy
 touches a few segments per block. Ownership of a slot is that of its position (``owner_rank``;
-a block spans whole rounds of interleave runs, so it does not depend on ``base``). A read compares content *identities*: two requests' KV at position ``q`` agree iff their
-token prefixes ``[0, q]`` (and cache salts) agree, which :class:`_Prefix` answers from an
-identity kept every ``_ANCHOR`` tokens plus one C-level hash of at most ``_ANCHOR`` tokens; a
-segment the reader wrote itself needs no hashing at all. A block already verified for a
-reader is not checked again until its page is overwritten or copied into (``_changed``).
+a block spans whole rounds of interleave runs, so it does not depend on ``base``). A read
+compares content *identities*: two requests' KV at position ``q`` agree iff their token
+prefixes ``[0, q]`` (and cache salts) agree, which :class:`_Prefix` answers from an identity
+kept every ``_ANCHOR`` tokens plus one C-level hash of at most ``_ANCHOR`` tokens; a segment
+the reader wrote itself needs no hashing at all. A block already verified for a reader is not
+checked again until its page is overwritten or copied into (``_changed``), and what a chunk
+wrote in this step is read back unchecked unless a write or a copy of the step replaced it.
 """
 
 from __future__ import annotations
@@ -162,8 +164,8 @@ class ContentOracle:
 
     # --- placement (spec.placement) -------------------------------------------------------------
 
-    def _ranks(self, g: _Shape, lo: int, hi: int) -> range | list[int]:
-        """The ranks that own at least one position of ``[lo, hi)``."""
+    def _ranks(self, g: _Shape, lo: int, hi: int):
+        """The ranks that own at least one position (or slot) of ``[lo, hi)``."""
         if not g.sharded or hi - lo >= self.interleave * self.dcp:
             return range(self.dcp)
         il = self.interleave
