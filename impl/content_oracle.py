@@ -13,13 +13,16 @@ Where a position lives comes from the spec (``spec.placement``): its row entry i
 placement formula of its own.
 
 Cost: O(blocks touched) per step, not O(tokens). A block's page on a rank is a short list of
-segments ``[lo, hi)`` -- "the positions of [lo, hi) this rank owns hold the KV written by the
-request whose token sequence is ``prefix``" -- so a write or a copy touches a few segments per
-block. A read compares content *identities*: two requests' KV at position ``q`` agree iff their
-token prefixes ``[0, q]`` (and cache salts) agree, which :class:`_Prefix` answers from an
-identity kept every ``_ANCHOR`` tokens plus one C-level hash of at most ``_ANCHOR`` tokens; a
-segment the reader wrote itself needs no hashing at all. A block already verified for a
-reader is not checked again until its page is overwritten or copied into (``_changed``).
+segments -- "the slots [lo, hi) of this block that this rank owns hold the KV of positions
+base + slot written by the request whose token sequence is ``prefix``" -- so a write or a copy
+touches a few segments per block. Ownership of a slot is that of its position (``owner_rank``;
+a block spans whole rounds of interleave runs, so it does not depend on ``base``). A read
+compares content *identities*: two requests' KV at position ``q`` agree iff their token
+prefixes ``[0, q]`` (and cache salts) agree, which :class:`_Prefix` answers from an identity
+kept every ``_ANCHOR`` tokens plus one C-level hash of at most ``_ANCHOR`` tokens; a segment
+the reader wrote itself needs no hashing at all. A block already verified for a reader is not
+checked again until its page is overwritten or copied into (``_changed``), and what a chunk
+wrote in this step is read back unchecked unless a write or a copy of the step replaced it.
 """
 
 from __future__ import annotations
@@ -91,14 +94,20 @@ class ContentOracle:
             )
             for g in layout.groups
         ]
-        # (group, block) -> per rank: sorted, disjoint segments (lo, hi, prefix) of attention KV
-        self._kv: dict[tuple[int, int], list[list[tuple[int, int, _Prefix]]]] = {}
+        self._state_groups = [g for g in self.groups if g.state]
+        self._kv_groups = [g for g in self.groups if not g.state]
+        # (group, block) -> per rank: sorted, disjoint segments (lo, hi, prefix, base): the slots
+        # lo..hi-1 of the block hold prefix's KV of positions base + slot (base: the row index
+        # times the block's span, for the request that wrote them)
+        self._kv: dict[tuple[int, int], list[list[tuple[int, int, _Prefix, int]]]] = {}
         # (group, block) -> (prefix, n): the state after the first n tokens of prefix (every rank)
         self._states: dict[tuple[int, int], tuple[_Prefix, int]] = {}
         # (group, block) -> {request: row index} of the requests whose reads of it were verified
         self._readers: dict[tuple[int, int], dict[str, int]] = {}
         self.rows: dict[str, list[list[int]]] = {}
         self._prefixes: dict[str, _Prefix] = {}
+        # blocks whose earlier contents changed in the running step (see _changed)
+        self._changed_now: set[tuple[int, int]] = set()
         # (request, group) -> positions [0, n) verified, unchanged since (see _changed)
         self._verified: dict[tuple[str, int], int] = {}
         self.violations: list[str] = []
@@ -107,9 +116,15 @@ class ContentOracle:
 
     def run_step(self, plan) -> None:
         """Apply a scheduled step: rows, copies (batched), then each chunk's reads and writes."""
+        self._changed_now.clear()
         work = []
+        prefixes = self._prefixes
         for chunk in plan.chunks:
-            rid = chunk.request.request_id
+            req = chunk.request
+            rid = req.request_id
+            prefix = prefixes.get(rid)
+            if prefix is None or prefix.tokens is not req.token_ids:
+                prefix = prefixes[rid] = _Prefix(req.token_ids, req.cache_salt)
             if chunk.overwrite or rid not in self.rows:
                 rows = self.rows[rid] = [list(b) for b in chunk.new_blocks]
                 for g in self.groups:
@@ -122,12 +137,12 @@ class ContentOracle:
                         row.extend(new)
                         grew = True
                 if not grew:  # a decode step: the row widths were checked when they last grew
-                    work.append((chunk, rid, rows, self._prefix(chunk.request)))
+                    work.append((chunk, rid, rows, prefix))
                     continue
             for g, row in zip(self.groups, rows):
                 if len(row) > g.width:
                     self._violation("INV-TABLE-WIDTH", f"request {rid!r}, group {g.gid}: row of {len(row)} entries > width {g.width}")
-            work.append((chunk, rid, rows, self._prefix(chunk.request)))
+            work.append((chunk, rid, rows, prefix))
         self._copy(plan.copies)
         for chunk, rid, rows, prefix in work:
             self._read_states(chunk, rid, rows, prefix)
@@ -147,22 +162,10 @@ class ContentOracle:
     def _violation(self, inv: str, detail: str) -> None:
         self.violations.append(f"{inv}: {detail}")
 
-    def _prefix(self, request) -> _Prefix:
-        p = self._prefixes.get(request.request_id)
-        if p is None or p.tokens is not request.token_ids:
-            p = self._prefixes[request.request_id] = _Prefix(request.token_ids, request.cache_salt)
-        return p
-
     # --- placement (spec.placement) -------------------------------------------------------------
 
-    def _index(self, g: _Shape, position: int) -> int:
-        """Row index of ``position`` (a Mamba state: of the last position it covers)."""
-        if g.state and not g.cacheable:
-            return 0
-        return _table_index(position, g.bs, self.dcp, g.sharded)
-
-    def _ranks(self, g: _Shape, lo: int, hi: int) -> range | list[int]:
-        """The ranks that own at least one position of ``[lo, hi)``."""
+    def _ranks(self, g: _Shape, lo: int, hi: int):
+        """The ranks that own at least one position (or slot) of ``[lo, hi)``."""
         if not g.sharded or hi - lo >= self.interleave * self.dcp:
             return range(self.dcp)
         il = self.interleave
@@ -178,6 +181,8 @@ class ContentOracle:
         if not g.sharded:
             return hi - 1
         il, p = self.interleave, hi - 1
+        if hi - lo == 1:  # the common case: one slot between two of a rank's decode writes
+            return p if _owner_rank(p, self.dcp, il) == rank else None
         for _ in range(self.dcp):
             if p < lo:
                 return None
@@ -225,49 +230,56 @@ class ContentOracle:
                 self._states[key] = state
 
     def _write(self, chunk, rows, prefix: _Prefix) -> None:
-        end = chunk.start + chunk.num_tokens
-        for g, row in zip(self.groups, rows):
-            if g.state:
-                i = self._index(g, end - 1)
-                if i < len(row):
-                    self._states[(g.gid, row[i])] = (prefix, end)
-                continue
-            for _, blk, lo, hi in self._blocks(g, row, chunk.start, end) or ():
+        start, end = chunk.start, chunk.start + chunk.num_tokens
+        dcp = self.dcp
+        for g in self._state_groups:
+            row = rows[g.gid]
+            i = _table_index(end - 1, g.bs, dcp, False) if g.cacheable else 0
+            if i < len(row):
+                self._states[(g.gid, row[i])] = (prefix, end)
+        for g in self._kv_groups:
+            row = rows[g.gid]
+            if end - start == 1:  # a decode step: one position, one block, its owner rank(s)
+                i = _table_index(start, g.bs, dcp, g.sharded)
+                blocks = ((i, row[i], start, end),) if i < len(row) else ()
+            else:
+                blocks = self._blocks(g, row, start, end) or ()
+            for i, blk, lo, hi in blocks:
                 key = (g.gid, blk)
                 pages = self._kv.get(key)
                 if pages is None:
-                    pages = self._kv[key] = [[] for _ in range(self.dcp)]
+                    pages = self._kv[key] = [[] for _ in range(dcp)]
+                base = i * g.span
+                lo, hi = lo - base, hi - base  # offsets in the block: what the slots are
                 overwrote = False
                 for r in self._ranks(g, lo, hi):
                     segs = pages[r]
-                    last = segs[-1] if segs else None
-                    if last is not None and last[2] is prefix and (last[1] == lo or (last[1] < lo and self._owns_none(g, r, last[1], lo))):
-                        segs[-1] = (last[0], hi, prefix)  # our own KV continues: extend the segment
-                    else:
-                        overwrote |= self._put(g, r, segs, lo, hi, prefix)
+                    k = len(segs) - 1 if segs and segs[-1][0] < lo else _segment_before(segs, lo)
+                    if k is not None:
+                        a, b, p, at_base = segs[k]
+                        if (p is prefix and at_base == base and (k + 1 == len(segs) or segs[k + 1][0] >= hi)
+                                and (b == lo or (b < lo and self._owns_none(g, r, b, lo)))):
+                            segs[k] = (a, hi, prefix, base)  # our own KV continues: extend the segment
+                            continue
+                    overwrote |= self._put(segs, lo, hi, prefix, base)
                 if overwrote:
                     self._changed(key)
 
-    def _put(self, g: _Shape, rank: int, segs: list, lo: int, hi: int, prefix: _Prefix) -> bool:
-        """Record that rank's positions of ``[lo, hi)`` now hold ``prefix``'s KV; True when this
-        replaced something (earlier readers must be checked again)."""
-        if segs:
-            a, b, p = segs[-1]
-            if b <= lo:  # an append past everything held: extend the last segment if it is ours
-                if p is prefix and self._owns_none(g, rank, b, lo):
-                    segs[-1] = (a, hi, p)
-                else:
-                    segs.append((lo, hi, prefix))
-                return False
+    @staticmethod
+    def _put(segs: list, lo: int, hi: int, prefix: _Prefix, base: int) -> bool:
+        """Record that a rank's slots ``[lo, hi)`` of a block now hold ``prefix``'s KV for the
+        positions ``base + offset``; True when this replaced something (its readers check again).
+        A slot holds one position whatever request wrote it: a block reused for another request
+        or another row index loses what the new write covers."""
         kept = [s for s in segs if s[1] <= lo or s[0] >= hi]
         cut = [s for s in segs if not (s[1] <= lo or s[0] >= hi)]
-        for a, b, p in cut:  # keep the parts outside [lo, hi)
+        for a, b, p, old in cut:  # keep the parts outside [lo, hi)
             if a < lo:
-                kept.append((a, lo, p))
+                kept.append((a, lo, p, old))
             if b > hi:
-                kept.append((hi, b, p))
-        kept.append((lo, hi, prefix))
-        kept.sort(key=lambda s: s[0])
+                kept.append((hi, b, p, old))
+        kept.append((lo, hi, prefix, base))
+        kept.sort(key=_first)
         segs[:] = kept
         return bool(cut)
 
@@ -277,13 +289,12 @@ class ContentOracle:
         start = chunk.start
         if start == 0:
             return
-        for g, row in zip(self.groups, rows):
-            if not g.state:
-                continue
-            i = self._index(g, start - 1)
+        for g in self._state_groups:
+            row = rows[g.gid]
+            i = _table_index(start - 1, g.bs, self.dcp, False) if g.cacheable else 0
             blk = row[i] if i < len(row) else None
             held = self._states.get((g.gid, blk))
-            if held is None or held[1] != start or not _same(held[0], prefix, start - 1):
+            if held is None or held[1] != start or not (held[0] is prefix or _same(held[0], prefix, start - 1)):
                 self._violation(
                     "INV-CONTENT-STATE",
                     f"request {rid!r}, group {g.gid}, every rank: chunk at {start} reads state block {blk}, "
@@ -293,9 +304,8 @@ class ContentOracle:
 
     def _read_attention(self, chunk, rid: str, rows, prefix: _Prefix) -> None:
         end = chunk.start + chunk.num_tokens
-        for g, row in zip(self.groups, rows):
-            if g.state:
-                continue
+        for g in self._kv_groups:
+            row = rows[g.gid]
             first = max(0, chunk.start - g.window + 1) if g.window else 0
             verified = self._verified.get((rid, g.gid), 0)
             lo = max(first, verified)  # positions below `verified` were checked and not changed since
@@ -305,13 +315,16 @@ class ContentOracle:
             if blocks is None:
                 self._violation(
                     "INV-CONTENT-KV",
-                    f"request {rid!r}, group {g.gid}: position {end - 1} reads row index {self._index(g, end - 1)}, "
+                    f"request {rid!r}, group {g.gid}: position {end - 1} reads row index {_table_index(end - 1, g.bs, self.dcp, g.sharded)}, "
                     f"past the {len(row)} entries the row holds",
                 )
                 return
+            own = lo >= chunk.start  # every position read was written by this chunk, this step
             for i, blk, a, b in blocks:
                 key = (g.gid, blk)
-                bad = self._check_block(g, key, a, b, prefix)
+                # What this chunk just wrote holds its KV unless another write or a copy of this
+                # step replaced it since: those go through _changed.
+                bad = None if own and key not in self._changed_now else self._check_block(g, key, a, b, prefix, i * g.span)
                 if bad is not None:
                     self._violation(
                         "INV-CONTENT-KV",
@@ -321,12 +334,14 @@ class ContentOracle:
                     return
                 readers = self._readers.get(key)
                 if readers is None:
-                    readers = self._readers[key] = {}
-                readers[rid] = i
+                    self._readers[key] = {rid: i}
+                elif readers.get(rid) != i:
+                    readers[rid] = i
             self._verified[(rid, g.gid)] = end
 
     def _changed(self, key) -> None:
         """Block ``key``'s earlier contents may have changed: its readers check it again."""
+        self._changed_now.add(key)
         readers = self._readers.pop(key, None)
         if readers:
             span = self.groups[key[0]].span
@@ -335,28 +350,45 @@ class ContentOracle:
                 if self._verified.get(k, 0) > i * span:
                     self._verified[k] = i * span
 
-    def _check_block(self, g: _Shape, key, lo: int, hi: int, prefix: _Prefix) -> Optional[tuple[int, int]]:
+    def _check_block(self, g: _Shape, key, lo: int, hi: int, prefix: _Prefix, base: int) -> Optional[tuple[int, int]]:
         """None if every rank holds ``prefix``'s KV for its positions of ``[lo, hi)`` in block
-        ``key``; else (rank, first position it lacks)."""
+        ``key``, whose slot 0 is position ``base``; else (rank, a position it lacks)."""
         pages = self._kv.get(key)
+        lo, hi = lo - base, hi - base
         for r in self._ranks(g, lo, hi):
             segs = pages[r] if pages else ()
-            if segs and segs[-1][2] is prefix and segs[-1][0] <= lo and segs[-1][1] >= hi:
-                continue  # the reader's own KV, written in one piece (decode, own prefill)
-            at = lo  # every position below ``at`` that rank r owns is verified
-            for a, b, p in segs:
+            k = len(segs) - 1 if segs and segs[-1][0] <= lo else _segment_before(segs, lo + 1)
+            if k is not None:
+                a, b, p, at_base = segs[k]
+                if p is prefix and at_base == base and b >= hi:
+                    continue  # the reader's own KV, written in one piece (decode, own prefill)
+            at = lo  # every slot below ``at`` that rank r owns is verified
+            for a, b, p, at_base in segs:
                 if b <= at or a >= hi:
                     continue
-                hole = self._last_owned(g, r, at, a)  # an owned position in [at, a) holds nothing
+                hole = self._last_owned(g, r, at, a)  # an owned slot in [at, a) holds nothing
                 if hole is not None:
-                    return r, hole
+                    return r, base + hole
                 q = self._last_owned(g, r, max(a, at), min(b, hi))  # chained identities: the last decides
-                if q is not None and not _same(p, prefix, q):
-                    return r, q
+                if q is not None and (at_base != base or not _same(p, prefix, base + q)):
+                    return r, base + q
                 at = min(b, hi)
                 if at >= hi:
                     break
             hole = self._last_owned(g, r, at, hi)
             if hole is not None:
-                return r, hole
+                return r, base + hole
         return None
+
+
+def _first(segment: tuple) -> int:
+    return segment[0]
+
+
+def _segment_before(segs: list, offset: int) -> Optional[int]:
+    """Index of the last segment starting below ``offset`` (segments are sorted), or None. The
+    one sought is nearly always the last or the one before."""
+    for k in range(len(segs) - 1, -1, -1):
+        if segs[k][0] < offset:
+            return k
+    return None

@@ -148,7 +148,7 @@ class KVCacheManager:
         for m in self.managers:
             m.cache(request, n)
         self._in_flight.discard(request.request_id)
-        if contracts.SLOW:
+        if contracts.slow():
             self.check_request(request)
 
     def free(self, request: Request) -> None:

@@ -10,7 +10,7 @@ import icontract
 @icontract.require(lambda a: a >= 0, error=lambda a: ValueError(f"cdiv numerator {a} must be >= 0"), enabled=True)
 @icontract.require(lambda b: b > 0, error=lambda b: ValueError(f"cdiv divisor {b} must be > 0"), enabled=True)
 @icontract.ensure(
-    lambda a, b, result: result * b >= a > (result - 1) * b or (a == 0 and result == 0),
+    lambda a, b, result: result * b >= a > (result - 1) * b,
     "INV-ARITH-CDIV: cdiv(a, b) is the least k with k*b >= a",
     enabled=True,
 )

@@ -62,13 +62,6 @@ def slow_tier(checked: Callable) -> Callable:
     return dispatch
 
 
-def __getattr__(name: str):
-    # ``contracts.SLOW`` (read only) for callers not yet moved to slow(); it is the same switch.
-    if name == "SLOW":
-        return _slow
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 class InvariantViolation(AssertionError):
     """A checked invariant did not hold. The message starts with the invariant id."""
 

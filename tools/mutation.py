@@ -13,8 +13,10 @@ derandomized examples), so a run is repeatable.
     python tools/mutation.py impl/coordinator.py --tests tests/impl/test_coordinator_machine.py
     python tools/mutation.py spec/geometry.py --list-survivors
 
-Prints one row per module (mutants, killed, score) and, with ``--list-survivors``, each
-surviving mutant as ``path:line operator: the changed line``.
+Prints one row per module (mutants generated, run, killed, score) and, with
+``--list-survivors``, each surviving mutant as ``path:line operator: the changed line``.
+``--sample N`` runs N mutants per module drawn with a fixed seed: an estimate of the score for
+modules too large to run whole on a small machine.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import importlib.util
 import linecache
 import os
 import pathlib
+import random
 import signal
 import sys
 import time
@@ -46,20 +49,23 @@ OPERATORS = (
 )
 
 #: The fast tests that judge each module (paths relative to the repository root).
-SPEC_TESTS = ("tests/spec/test_geometry.py", "tests/spec/test_geometry_contracts.py", "tests/spec/test_placement.py")
+SPEC_TESTS = ("tests/spec/test_arith.py", "tests/spec/test_mutants.py", "tests/spec/test_geometry.py", "tests/spec/test_geometry_contracts.py", "tests/spec/test_placement.py")
 TESTS = {
     "spec/arith.py": SPEC_TESTS,
     "spec/geometry.py": SPEC_TESTS,
     "spec/placement.py": SPEC_TESTS,
     "spec/groups.py": SPEC_TESTS + ("tests/cli/test_geometry_cli.py",),
     "spec/layout.py": SPEC_TESTS + ("tests/cli/test_geometry_cli.py",),
-    "spec/block_pool.py": ("tests/spec/test_block_pool_spec.py", "tests/impl/test_block_pool_machine.py",
+    "spec/block_pool.py": ("tests/spec/test_mutants.py", "tests/spec/test_block_pool_spec.py", "tests/impl/test_block_pool_machine.py",
                            "tests/proofs/test_pool_and_hit_checks.py"),
     "spec/contracts.py": ("tests/spec/test_contracts.py::test_slow_switch_is_read_at_call_time_both_ways",
                           "tests/spec/test_contracts.py::test_slow_switch_takes_only_a_bool",
                           "tests/spec/test_contracts.py::test_cheap_conditions_stay_on_with_the_switch_off",
-                          "tests/impl/test_block_pool_contracts.py", "tests/spec/test_geometry_contracts.py"),
-    "impl/block_pool.py": ("tests/impl/test_block_pool.py", "tests/impl/test_block_pool_contracts.py",
+                          "tests/spec/test_contracts.py::test_the_switch_starts_from_icontract_slow",
+                          "tests/spec/test_contracts.py::test_replay_slow_turns_the_switch_on_for_the_run",
+                          "tests/impl/test_block_pool_contracts.py", "tests/spec/test_geometry_contracts.py",
+                          "tests/spec/test_mutants.py"),
+    "impl/block_pool.py": ("tests/spec/test_mutants.py", "tests/impl/test_block_pool.py", "tests/impl/test_block_pool_contracts.py",
                            "tests/impl/test_block_pool_machine.py"),
 }
 
@@ -114,6 +120,12 @@ class _MutantFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def _run_tests(tests: list[str], name: str | None, path: str | None, code: str | None) -> int:
     """In a forked child: run ``tests`` (with ``name`` mutated); the exit status is pytest's."""
     os.setpgid(0, 0)
+    try:  # die with the parent (Linux), so an interrupted run leaves no test process behind
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
@@ -159,6 +171,10 @@ def main(argv=None) -> int:
     parser.add_argument("modules", nargs="+", help="module paths, e.g. spec/geometry.py impl/block_pool.py")
     parser.add_argument("--tests", nargs="+", help="test paths for every module given (default: TESTS by module)")
     parser.add_argument("--jobs", type=int, default=4, help="mutants run at once (default 4)")
+    parser.add_argument("--sample", type=int, metavar="N",
+                        help="run N mutants per module drawn at random (seeded): an estimate of the score, for "
+                        "modules too large to run whole on a small machine")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --sample (default 0)")
     parser.add_argument("--list-survivors", action="store_true")
     args = parser.parse_args(argv)
 
@@ -181,6 +197,9 @@ def main(argv=None) -> int:
         timeout = 3 * (time.monotonic() - began) + 10
         name = module_name(path)
         todo = list(mutants(path))
+        generated = len(todo)
+        if args.sample is not None and args.sample < generated:
+            todo = random.Random(f"{args.seed}:{module}").sample(todo, args.sample)
         killed, running = 0, {}
         lines = path.read_text().splitlines()
         while todo or running:
@@ -202,11 +221,11 @@ def main(argv=None) -> int:
                         survivors.append(f"{module}:{line} {op}: {lines[line - 1].strip()}")
             time.sleep(0.05)
         total = killed + sum(1 for s in survivors if s.startswith(f"{module}:"))
-        rows.append((module, total, killed))
+        rows.append((module, generated, total, killed))
         print(f"{module}: {killed}/{total} killed ({100 * killed / max(total, 1):.1f} %)", file=sys.stderr, flush=True)
-    print(f"{'module':<22} {'mutants':>8} {'killed':>7} {'score':>7}")
-    for module, total, killed in rows:
-        print(f"{module:<22} {total:>8} {killed:>7} {100 * killed / max(total, 1):>6.1f}%")
+    print(f"{'module':<22} {'mutants':>8} {'run':>5} {'killed':>7} {'score':>7}")
+    for module, generated, total, killed in rows:
+        print(f"{module:<22} {generated:>8} {total:>5} {killed:>7} {100 * killed / max(total, 1):>6.1f}%")
     if args.list_survivors:
         print("\nsurviving mutants:")
         print("\n".join(sorted(survivors, key=lambda s: (s.split(":")[0], int(s.split(":")[1].split()[0])))))

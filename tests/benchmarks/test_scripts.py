@@ -38,3 +38,9 @@ def test_oracle_benchmark_runs():
     assert proc.returncode == 0, proc.stderr
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["off"], ["on"])}
     assert float(rows["off"][2]) == 1.0 and float(rows["on"][1]) > 0
+
+
+def test_key_at_benchmark_runs():
+    proc = run("key_at.py", "--calls", "1000", "--repeat", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("key_at ") and "per key" in proc.stdout

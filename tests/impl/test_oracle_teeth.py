@@ -113,18 +113,16 @@ def test_what_each_rank_holds_is_what_the_spec_slot_mapping_writes(dcp, interlea
     for rank in range(dcp):
         slots = slot_mapping(tuple(range(29)), tuple(row), 4, dcp, interleave, rank, True)
         want = {(s // 4, p) for p, s in enumerate(slots) if s != PAD_SLOT}
-        held = {
-            (blk, p)
+        spanned = {
+            (blk, base + offset)
             for blk in row
-            for lo, hi, _ in oracle._kv[(0, blk)][rank]
-            for p in range(lo, hi)
-            if slots[p] != PAD_SLOT
+            for lo, hi, _, base in oracle._kv[(0, blk)][rank]
+            for offset in range(lo, hi)
         }
-        assert held == want
-        # every position a segment of this rank spans that the slot mapping does not keep here
+        assert {(blk, p) for blk, p in spanned if slots[p] != PAD_SLOT} == want
+        # a position a segment of this rank spans but the slot mapping does not keep here
         # belongs to another rank
-        spanned = {p for blk in row for lo, hi, _ in oracle._kv[(0, blk)][rank] for p in range(lo, hi)}
-        assert all(slots[p] == PAD_SLOT for p in spanned - {p for _, p in want})
+        assert all(slots[p] == PAD_SLOT for _, p in spanned - want)
 
 
 def test_mamba_width_divided_by_dcp_is_rejected():

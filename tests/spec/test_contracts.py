@@ -146,3 +146,13 @@ def test_replay_slow_turns_the_switch_on_for_the_run(slow):
         replay([TraceRequest("r", tuple(range(9)), (1, 2))], layout, 16, slow=slow,
                on_step=lambda plan, s: seen.append(contracts.slow()))
     assert set(seen[-2:]) == {slow}
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("yes", True), ("0", False), ("false", False), ("", False), (None, False)])
+def test_the_switch_starts_from_icontract_slow(value, on):
+    env = {k: v for k, v in os.environ.items() if k != "ICONTRACT_SLOW"}
+    if value is not None:
+        env["ICONTRACT_SLOW"] = value
+    proc = subprocess.run([sys.executable, "-c", "from kvproof.spec import contracts; print(contracts.slow())"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.stdout.strip() == str(on), proc.stderr

@@ -1,0 +1,124 @@
+"""Tests that kill mutants tools/mutation.py found alive (docs/testing.md, "Surviving mutants"):
+boundaries nothing else touched, defaults, and helpers used one way only."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import icontract
+import pytest
+
+from kvproof.impl.block_pool import BlockPool
+from kvproof.spec import block_pool as spec_pool
+from kvproof.spec import contracts, placement
+from kvproof.spec.contracts import guard_like
+from kvproof.spec.geometry import PartialHitDecision
+from kvproof.spec.groups import CacheGroup, GroupKind
+from kvproof.spec.layout import Layout, LayoutConfig, resolve_layout
+
+
+def test_can_allocate_zero_and_every_free_block_but_not_more():
+    pool = BlockPool(3)
+    assert pool.can_allocate(0) and pool.can_allocate(2)
+    assert not pool.can_allocate(3) and not pool.can_allocate(-1)
+
+
+def test_slow_checks_turns_the_switch_on_by_default_and_restores_it():
+    with contracts.slow_checks(False):
+        with contracts.slow_checks():
+            assert contracts.slow()
+        assert not contracts.slow()
+
+
+def test_guard_like_keeps_the_preconditions_with_their_errors():
+    guarded = guard_like(placement.owner_rank, lambda position, dcp, interleave: 0)
+    with pytest.raises(ValueError, match="position -1 must be >= 0"):
+        guarded(-1, 2, 1)
+    with pytest.raises(ValueError, match="dcp 0 and interleave 1 must both be >= 1"):
+        guarded(0, 0, 1)
+
+
+def test_owning_ranks_of_a_replicated_position_is_every_rank():
+    assert placement.owning_ranks(5, 4, 3, 1, sharded=False) == (0, 1, 2)
+    assert placement.owning_ranks(5, 4, 3, 1, sharded=True) == (2,)
+    assert placement.owning_ranks(0, 1, 1, 1, sharded=True) == (0,)
+
+
+def test_local_lengths_of_an_empty_sequence():
+    assert placement.local_seq_lens(0, 3, 2) == (0, 0, 0)
+    assert placement.local_seq_len(0, 0, 1, 1) == 0
+
+
+def test_the_spec_pool_takes_a_one_token_key_and_refuses_zero():
+    s, (b, other) = spec_pool.allocate(spec_pool.initial(3), 2)
+    s, attached = spec_pool.cache_partial(s, b, "k1", 1)
+    assert attached is True and s.ntok[b] == 1
+    with pytest.raises(ValueError, match="cache: num_tokens 0 must be an int > 0"):
+        spec_pool.cache_partial(s, other, "k0", 0)
+
+
+def test_sliding_window_of_one_token_is_accepted_and_of_zero_refused():
+    assert CacheGroup(GroupKind.SLIDING_WINDOW, 4, sliding_window=1).sliding_window == 1
+    with pytest.raises(ValueError, match="sliding window 0 must be a positive number of tokens"):
+        CacheGroup(GroupKind.SLIDING_WINDOW, 4, sliding_window=0)
+
+
+@pytest.mark.parametrize("value", [
+    CacheGroup(GroupKind.MAMBA, 4),
+    LayoutConfig((CacheGroup(GroupKind.MAMBA, 4),)),
+    PartialHitDecision(False, "off"),
+])
+def test_spec_values_are_frozen(value):
+    field = dataclasses.fields(value)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(value, field, getattr(value, field))
+
+
+def test_resolved_layouts_are_frozen():
+    layout = resolve_layout(LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, 4),)))
+    assert isinstance(layout, Layout)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.hash_block_size = 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.groups[0].table_width = 1
+
+
+def test_layout_config_defaults():
+    config = LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, 4),))
+    assert (config.dcp, config.max_model_len, config.interleave, config.hash_block_size) == (1, 8192, 1, None)
+    assert config.allow_partial_hash_hits is True and config.shared_prefix_checkpoint is False
+    assert config.retention_interval == 0
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("dcp", 0, "dcp 0 must be a positive integer"),
+    ("dcp", True, "dcp True must be a positive integer"),
+    ("dcp", 1025, "dcp 1025 is too large; expected at most 1024"),
+    ("max_model_len", (1 << 30) + 1, f"max_model_len {(1 << 30) + 1} is too large; expected at most {1 << 30}"),
+    ("interleave", 0, "interleave 0 must be a positive integer"),
+])
+def test_layout_bounds(field, value, message):
+    config = dataclasses.replace(LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, 4),)), **{field: value})
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        resolve_layout(config)
+    edge = {"dcp": 1024, "max_model_len": 1 << 30, "interleave": 1}[field]
+    resolve_layout(dataclasses.replace(config, **{field: edge}))
+
+
+def test_a_disabled_precondition_would_be_noticed():
+    """Each spec precondition that validates input refuses its bad value (and is not an
+    icontract violation, which would mean a condition without its error)."""
+    from kvproof.spec import geometry
+
+    for call in (
+        lambda: geometry.scheduler_block_size((), 1),
+        lambda: geometry.hash_block_size((), 1),
+        lambda: geometry.max_num_blocks_per_req(CacheGroup(GroupKind.FULL_ATTENTION, 4), 0, 16),
+        lambda: geometry.block_table_width(-1, 4, 128),
+        lambda: geometry.block_table_width(4, 4, 0),
+        lambda: placement.local_seq_len(4, 0, 2, 0),
+    ):
+        with pytest.raises(ValueError):
+            call()
+    with pytest.raises(icontract.ViolationError, match="INV-DCP-LOCAL-LEN-BALANCE"):
+        guard_like(placement.local_seq_lens, lambda num_tokens, dcp, interleave: (0, 1))(1, 2, 1)
