@@ -6,11 +6,11 @@ import os
 import sys
 
 from kvproof import __version__
-from kvproof.cli import e2e, geometry, prove, replay
+from kvproof.cli import e2e, geometry, plan, prove, replay
 from kvproof.cli.errors import EXIT_BAD_INPUT, EXIT_OK, OneLineArgumentParser
 
 #: Subcommand modules; each has ``add_parser(subparsers)`` and sets ``run`` as a default.
-COMMANDS = (geometry, replay, prove, e2e)
+COMMANDS = (plan, geometry, replay, prove, e2e)
 
 
 def build_parser() -> OneLineArgumentParser:
