@@ -74,7 +74,7 @@ def recommend(reports: list[ConfigReport], sweep: list[ConfigReport]) -> dict:
             knee = next(p for p in points if p.hit_rate >= top - KNEE_POINTS)
             knees.append({"dcp": dcp, "kv_memory_gib": round(gib(knee.kv_memory_bytes or 0), 3), "hit_rate": round(knee.hit_rate, 6)})
             text.append(
-                f"DCP {dcp}: {gib(knee.kv_memory_bytes or 0):g} GiB per GPU reaches {_pct(knee.hit_rate)}, within "
+                f"DCP {dcp}: {gib(knee.kv_memory_bytes or 0):.4g} GiB per GPU reaches {_pct(knee.hit_rate)}, within "
                 f"{100 * KNEE_POINTS:g} point of its best in the sweep"
             )
         out["memory_knee"] = knees

@@ -94,7 +94,7 @@ MAX_POOL_BLOCKS = 16_000_000
 
 def _check_pool(pool: PoolPlan, dcp: int, kv_bytes: Optional[int]) -> None:
     if pool.num_blocks < 2:
-        what = f"{gib(kv_bytes):g} GiB per GPU" if kv_bytes is not None else f"{pool.num_blocks} blocks"
+        what = f"{gib(kv_bytes):.4g} GiB per GPU" if kv_bytes is not None else f"{pool.num_blocks} blocks"
         per = f" ({pool.block_bytes / 2**20:.2f} MiB per block)" if pool.block_bytes else ""
         raise ValueError(f"DCP {dcp}: {what} make a pool of {pool.num_blocks} block(s){per}; expected at least 2 (block 0 is the null block)")
     if pool.num_blocks > MAX_POOL_BLOCKS:

@@ -86,7 +86,7 @@ def plan_to_text(result: PlanResult) -> str:
     ]
     if result.reports and result.reports[0].block_bytes:
         r0 = result.reports[0]
-        mem = f"{gib(r0.kv_memory_bytes):g} GiB per GPU -> " if r0.kv_memory_bytes is not None else ""
+        mem = f"{gib(r0.kv_memory_bytes):.4g} GiB per GPU -> " if r0.kv_memory_bytes is not None else ""
         lines.append(f"pool: {mem}{r0.num_blocks:,} blocks of {_mib(r0.block_bytes)} MiB (as vLLM's KV planner sizes it)")
     header = ["DCP", "hit rate", "attn alone", "req w/ hit", "prefill tok", "CoW", "evictions", "preempt"]
     has_peak = all(r.peak_blocks_per_group is not None for r in result.reports)
@@ -111,7 +111,7 @@ def plan_to_text(result: PlanResult) -> str:
         grid = {(r.dcp, r.kv_memory_bytes or 0): r for r in result.sweep}
         rows = [["GiB/GPU"] + [f"DCP {d}" for d in dcps]]
         for s in sizes:
-            rows.append([f"{gib(s):g}"] + [f"{100 * grid[(d, s)].hit_rate:.1f} %" if (d, s) in grid else "-" for d in dcps])
+            rows.append([f"{gib(s):.4g}"] + [f"{100 * grid[(d, s)].hit_rate:.1f} %" if (d, s) in grid else "-" for d in dcps])
         lines += ["", "hit rate by KV memory per GPU:", _table(rows)]
     if result.reuse:
         lines += ["", "reuse the traffic allows with an unbounded cache: " + ", ".join(
