@@ -6,8 +6,9 @@ hybrid coordinator, single-type managers and block pool, and vLLM's request bloc
 adapter only translates:
 
 * a kvproof :class:`~kvproof.spec.layout.Layout` into a ``KVCacheConfig`` (one
-  ``KVCacheGroupSpec`` per kvproof group) plus the constructor arguments vLLM's ``Scheduler``
-  would pass (scheduler block size, hash block size, DCP size, caching on, no EAGLE);
+  ``KVCacheGroupSpec`` per kvproof group, ``kvproof.integrations.vllm.kv_specs``) plus the
+  constructor arguments vLLM's ``Scheduler`` would pass (scheduler block size, hash block size,
+  DCP size, caching on, no EAGLE);
 * each kvproof ``Request`` into one long-lived ``vllm.v1.request.Request`` fed the same tokens;
 * kvproof's step protocol (``begin_step / lookup / allocate_slots / take_block_copies / cache /
   free``) into the calls vLLM's ``Scheduler.schedule`` makes (``new_step_starts /
@@ -32,19 +33,10 @@ from typing import Optional
 
 # vLLM is optional for kvproof: importing this module without it raises ImportError, which
 # benchmarks/manager.py turns into "kvproof only".
-import torch
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-)
 from vllm.v1.request import Request as VllmRequest
 from vllm.v1.request import RequestStatus
 
@@ -52,59 +44,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ is
 from counting import CountingMixin, drive  # noqa: E402
 
 from kvproof.impl.request import Request  # noqa: E402
-from kvproof.spec.groups import CacheGroup, GroupKind, MambaCacheMode
-from kvproof.spec.layout import Layout
+from kvproof.integrations.vllm.kv_specs import kv_cache_config_for  # noqa: E402
+from kvproof.spec.layout import Layout  # noqa: E402
 
 #: vLLM's default ``prefix_caching_hash_algo`` (pickle + SHA-256). The NONE_HASH seed is then the
 #: fixed "vllm-none-hash" string unless PYTHONHASHSEED is set (reference 2.1).
 HASH_ALGO = "sha256"
-
-# Shape stand-ins for the specs. The scheduler side reads only block sizes, the DCP flag and
-# the Mamba cache mode; page sizes derived from these never reach block accounting.
-_ATTN_SHAPE = dict(num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
-_MAMBA_SHAPE = dict(shapes=((1, 64),), dtypes=(torch.float32,))
-
-
-# --- layout -> vLLM KV-cache config ------------------------------------------------------------
-
-def _spec_for_group(group: CacheGroup):
-    """The vLLM ``KVCacheSpec`` a model with this kvproof group would report."""
-    sharded = group.is_sharded
-    if group.kind is GroupKind.FULL_ATTENTION:
-        return FullAttentionSpec(block_size=group.block_size, dcp_sharded=sharded, **_ATTN_SHAPE)
-    if group.kind is GroupKind.MLA:
-        return MLAAttentionSpec(block_size=group.block_size, dcp_sharded=sharded, **_ATTN_SHAPE)
-    if group.kind is GroupKind.SLIDING_WINDOW:
-        return SlidingWindowSpec(
-            block_size=group.block_size, sliding_window=group.sliding_window, dcp_sharded=sharded, **_ATTN_SHAPE
-        )
-    if group.kind is GroupKind.MAMBA:
-        if group.mamba_cache_mode is not MambaCacheMode.ALIGN:
-            # vLLM forces mode 'none' only with prefix caching off, and MambaManager asserts
-            # caching => align; a cached 'none' group is not a configuration vLLM can run.
-            raise ValueError(f"{group.label}: vLLM 0.33 prefix caching needs Mamba cache mode 'align'")
-        return MambaSpec(
-            block_size=group.block_size, mamba_cache_mode="align",
-            num_speculative_blocks=group.num_speculative_blocks, **_MAMBA_SHAPE,
-        )
-    raise ValueError(f"no vLLM spec for group kind {group.kind!r}")
-
-
-def kv_cache_config_for(layout: Layout, num_blocks: int) -> KVCacheConfig:
-    """One ``KVCacheGroupSpec`` per kvproof group, in kvproof's group order (so group ids agree).
-
-    ``prefix_cache_retention_interval`` is left at the dataclass default ``None`` (dense
-    retention), which is what kvproof implements; vLLM's engine sets it from
-    ``CacheConfig.prefix_cache_retention_interval`` whose default is 0 (sparse: replay
-    boundaries and junctions only). ``run_vllm(..., retention_interval=0)`` measures that.
-    """
-    groups = [KVCacheGroupSpec([f"layer.{g.index}"], _spec_for_group(g.group)) for g in layout.groups]
-    # No tensors: nothing on the scheduler side allocates memory. hash_block_size is recorded
-    # as EngineCore records it; cache_hit_alignment_tokens is filled in from vLLM's own rule
-    # once the coordinator exists (the adapter does that), never from kvproof's.
-    return KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups, hash_block_size=layout.hash_block_size,
-    )
 
 
 # --- small views the kvproof Scheduler reads ---------------------------------------------------
@@ -147,12 +92,14 @@ class VllmHit:
     """What ``lookup`` returns: kvproof's ``Hit`` shape (``num_tokens``) carrying vLLM's
     ``KVCacheBlocks`` and the shared-prefix boundary that ``get_computed_blocks`` reports."""
 
-    __slots__ = ("num_tokens", "blocks", "shared_prefix_boundary")
+    __slots__ = ("num_tokens", "blocks", "shared_prefix_boundary", "junctions")
 
     def __init__(self, num_tokens: int, blocks: KVCacheBlocks, shared_prefix_boundary: int) -> None:
         self.num_tokens = num_tokens
         self.blocks = blocks
         self.shared_prefix_boundary = shared_prefix_boundary
+        # kvproof's Scheduler stops prefill chunks at the junctions a hit reports; vLLM's at its one.
+        self.junctions = (shared_prefix_boundary,) if shared_prefix_boundary else ()
 
     def __repr__(self) -> str:
         return f"VllmHit({self.num_tokens})"

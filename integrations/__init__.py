@@ -1,0 +1,1 @@
+"""kvproof inside serving engines (``kvproof.integrations``): one subpackage per engine."""
