@@ -55,8 +55,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--eagle", action="store_true", help="EAGLE/MTP: hits drop one hash unit for the draft")
     r.add_argument("--no-partial-hash-hits", action="store_true", help="hits only on whole scheduler blocks")
     r.add_argument("--oracle", action="store_true", help="also run the content oracle on every step (slower)")
-    r.add_argument("--engine", choices=("kvproof",), default="kvproof",
-                   help="kvproof's contract-checked scheduler and manager (default)")
+    r.add_argument("--engine", choices=("kvproof", "vllm"), default="kvproof",
+                   help="kvproof's contract-checked scheduler and manager (default); 'vllm' also runs vLLM 0.33.0's "
+                   "own scheduler and manager on the CPU, side by side")
     r.add_argument("--jobs", type=int, help="configurations replayed at once (default: one per core)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object")
@@ -181,10 +182,18 @@ def build_request(args: argparse.Namespace):
         sweep = tuple(bytes_from_gib(g) for g in _gib_list(args.memory_sweep, kv_bytes / 2**30))
         sweep = tuple(s for s in sweep if s != kv_bytes)
     workload = _workload(args, base.max_model_len)
+    engines = ("kvproof",)
+    if args.engine == "vllm":
+        from kvproof.planner.vllm_engine import require_vllm
+
+        require_vllm()
+        if args.no_partial_hash_hits:
+            raise ValueError("--engine vllm: vLLM 0.33.0 always allows partial hash hits; drop --no-partial-hash-hits")
+        engines = ("kvproof", "vllm")
     options = RunOptions(args.max_num_batched_tokens, args.max_num_seqs, args.eagle, args.oracle)
     return PlanRequest(
         workload, dataclasses.replace(base, dcp=1), dcps, memory, kv_bytes, args.num_blocks, sweep, options,
-        args.jobs or default_jobs(),
+        args.jobs or default_jobs(), engines=engines,
     )
 
 
@@ -209,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
 
             title = f"kvproof plan: {', '.join(g.label for g in req.base.groups)}; {len(req.workload):,} requests"
             try:
-                save_plot(args.plot, result.reports, result.sweep, title)
+                save_plot(args.plot, result.reports, result.sweep, title, result.vllm_reports)
             except OSError as e:
                 raise ValueError(f"cannot write plot file {args.plot!r}: {e.strerror}") from None
     except (ValueError, CapacityError) as e:

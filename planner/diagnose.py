@@ -118,7 +118,7 @@ def diagnose(
     hybrid = any(g.group.kind is GroupKind.MAMBA and g.group.prefix_cacheable for g in any_layout.groups)
     if hybrid:
         for r in reports:
-            if r.attention_hit_rate - r.hit_rate >= MIN_GAP and r.hit_rate < CLIFF_SHARE * r.attention_hit_rate:
+            if r.attention_hit_rate is not None and r.attention_hit_rate - r.hit_rate >= MIN_GAP and r.hit_rate < CLIFF_SHARE * r.attention_hit_rate:
                 retention = any_layout.config.retention_interval
                 out.append(Diagnosis(
                     "mamba-checkpoint-cliff",

@@ -34,6 +34,8 @@ class PlanRequest:
     options: RunOptions = RunOptions()
     jobs: int = 1
     reuse_probe: bool = True
+    #: Engines per DCP size: kvproof always; "vllm" adds vLLM 0.33.0's own scheduler.
+    engines: tuple[str, ...] = ("kvproof",)
 
 
 @dataclasses.dataclass
@@ -42,14 +44,24 @@ class Task:
     kv_memory_bytes: Optional[int]
     pool: PoolPlan
     sweep: bool
+    engine: str = "kvproof"
+
+    def run(self, req: "PlanRequest", tick: Callable[[], None]) -> ConfigReport:
+        if self.engine == "vllm":
+            from kvproof.planner.vllm_engine import run_config_vllm
+
+            return run_config_vllm(req.workload, req.base, self.dcp, self.pool, self.kv_memory_bytes, req.options, tick)
+        return run_config(req.workload, req.base, self.dcp, self.pool, self.kv_memory_bytes, req.options, tick)
 
 
 @dataclasses.dataclass
 class PlanResult:
     request: PlanRequest
     layouts: dict[int, Layout]
-    reports: list[ConfigReport]
+    reports: list[ConfigReport]  # kvproof's, one per DCP size
     sweep: list[ConfigReport]
+    #: vLLM's own scheduler on the same configurations (``engines`` includes "vllm").
+    vllm_reports: list[ConfigReport]
     recommendation: dict
     diagnoses: list[Diagnosis]
     reuse: dict[int, float]
@@ -79,6 +91,8 @@ def prepare(req: PlanRequest) -> tuple[dict[int, Layout], list[Task]]:
         _check_pool(pool, d, req.kv_memory_bytes)
         config_layout(req.base, d, pool)  # the expanded geometry must resolve too
         tasks.append(Task(d, req.kv_memory_bytes, pool, False))
+        if "vllm" in req.engines:
+            tasks.append(Task(d, req.kv_memory_bytes, pool, False, "vllm"))
     for kv in req.sweep_bytes:
         for d in req.dcps:
             pool = _pool_for(req, layouts[d], kv)
@@ -116,7 +130,7 @@ def _run_task(index: int) -> ConfigReport:
     def tick() -> None:
         done[index] += 1
 
-    return run_config(req.workload, req.base, task.dcp, task.pool, task.kv_memory_bytes, req.options, tick)
+    return task.run(req, tick)
 
 
 def run_plan(req: PlanRequest, progress: Optional[Callable[[int, int], None]] = None) -> PlanResult:
@@ -137,8 +151,9 @@ def run_plan(req: PlanRequest, progress: Optional[Callable[[int, int], None]] = 
                 if progress is not None:
                     progress(finished, total)
 
-            results.append(run_config(req.workload, req.base, t.dcp, t.pool, t.kv_memory_bytes, req.options, tick))
-    reports = [r for r, t in zip(results, tasks) if not t.sweep]
+            results.append(t.run(req, tick))
+    reports = [r for r, t in zip(results, tasks) if not t.sweep and t.engine == "kvproof"]
+    vllm_reports = [r for r, t in zip(results, tasks) if t.engine == "vllm"]
     sweep = [r for r, t in zip(results, tasks) if t.sweep]
     if sweep:  # the main runs are sweep points too
         sweep = sorted(sweep + [r for r in reports if r.kv_memory_bytes is not None], key=lambda r: (r.dcp, r.kv_memory_bytes or 0))
@@ -149,7 +164,7 @@ def run_plan(req: PlanRequest, progress: Optional[Callable[[int, int], None]] = 
     prompt_lengths = [e.prompt_len for e in req.workload.entries]
     diagnoses = diagnose(layouts, reports, prompt_lengths, req.options.max_num_seqs, req.memory, reuse)
     return PlanResult(
-        req, layouts, reports, sweep, recommend(reports, sweep), diagnoses, reuse, time.perf_counter() - started,
+        req, layouts, reports, sweep, vllm_reports, recommend(reports, sweep), diagnoses, reuse, time.perf_counter() - started,
         tasks[0].pool.vllm_groups,
     )
 

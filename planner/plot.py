@@ -33,7 +33,7 @@ def check_destination(path: str) -> None:
         raise ValueError(f"cannot write plot file {path!r}: folder {folder!r} is missing or not writable")
 
 
-def build_figure(reports: list[ConfigReport], sweep: list[ConfigReport], title: str):
+def build_figure(reports: list[ConfigReport], sweep: list[ConfigReport], title: str, vllm_reports: list[ConfigReport] = ()):
     """The figure (not saved): axes 'hit rate vs DCP', 'memory vs DCP' and, with a sweep,
     'hit rate vs KV memory'. No state change outside matplotlib."""
     import matplotlib
@@ -49,7 +49,10 @@ def build_figure(reports: list[ConfigReport], sweep: list[ConfigReport], title: 
 
     ax = axes[0]
     ax.plot(dcps, [100 * r.hit_rate for r in runs], "o-", label="hit rate")
-    ax.plot(dcps, [100 * r.attention_hit_rate for r in runs], "s--", label="attention groups alone")
+    ax.plot(dcps, [100 * (r.attention_hit_rate or 0.0) for r in runs], "s--", label="attention groups alone")
+    if vllm_reports:
+        theirs = sorted(vllm_reports, key=lambda r: r.dcp)
+        ax.plot([r.dcp for r in theirs], [100 * r.hit_rate for r in theirs], "x:", label="vLLM 0.33.0")
     ax.set_xscale("log", base=2)
     ax.set_xticks(dcps, [str(d) for d in dcps])
     ax.set_xlabel("DCP size")
@@ -86,10 +89,10 @@ def build_figure(reports: list[ConfigReport], sweep: list[ConfigReport], title: 
     return fig
 
 
-def save_plot(path: str, reports: list[ConfigReport], sweep: list[ConfigReport], title: str) -> None:
+def save_plot(path: str, reports: list[ConfigReport], sweep: list[ConfigReport], title: str, vllm_reports: list[ConfigReport] = ()) -> None:
     """Write the PNG atomically: into a temporary file beside ``path``, then renamed over it,
     so a reader never sees a half-written plot and a failure leaves nothing behind."""
-    fig = build_figure(reports, sweep, title)
+    fig = build_figure(reports, sweep, title, vllm_reports)
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".kvproof-plot-", suffix=".png", dir=folder)
     try:

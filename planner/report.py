@@ -20,7 +20,7 @@ def config_to_json(r: ConfigReport) -> dict:
         "prompt_tokens": r.prompt_tokens,
         "cached_tokens": r.cached_tokens,
         "hit_rate": round(r.hit_rate, 6),
-        "attention_hit_rate": round(r.attention_hit_rate, 6),
+        "attention_hit_rate": None if r.attention_hit_rate is None else round(r.attention_hit_rate, 6),
         "requests_with_hit": r.requests_with_hit,
         "prefill_tokens": r.prefill_tokens,
         "cow_copies": r.cow_copies,
@@ -31,7 +31,10 @@ def config_to_json(r: ConfigReport) -> dict:
         "largest_request": r.largest_request,
         "violations": r.violations,
         "seconds": round(r.seconds, 3),
+        "engine": r.engine,
     }
+    if r.notes:
+        out["notes"] = r.notes
     if r.peak_blocks_per_group is not None:
         out["peak_blocks_per_group"] = r.peak_blocks_per_group
     return out
@@ -57,6 +60,7 @@ def plan_to_json(result: PlanResult) -> dict:
         "engine": "kvproof",
         "oracle": req.options.oracle,
         "configs": [config_to_json(r) for r in result.reports],
+        "vllm_configs": [config_to_json(r) for r in result.vllm_reports],
         "memory_sweep": [config_to_json(r) for r in result.sweep],
         "reuse_bound": {str(u): round(f, 6) for u, f in sorted(result.reuse.items())},
         "recommendation": result.recommendation,
@@ -82,29 +86,34 @@ def plan_to_text(result: PlanResult) -> str:
         f"layout: {', '.join(g.group.label for g in base.groups)}; max-model-len {base.config.max_model_len:,}; "
         f"retention {'none' if base.config.retention_interval is None else base.config.retention_interval}; "
         f"budget {req.options.max_num_batched_tokens:,} tokens/step; engine kvproof"
+        + (" and vLLM 0.33.0" if result.vllm_reports else "")
         + (" with the content oracle" if req.options.oracle else ""),
     ]
     if result.reports and result.reports[0].block_bytes:
         r0 = result.reports[0]
         mem = f"{gib(r0.kv_memory_bytes):.4g} GiB per GPU -> " if r0.kv_memory_bytes is not None else ""
         lines.append(f"pool: {mem}{r0.num_blocks:,} blocks of {_mib(r0.block_bytes)} MiB (as vLLM's KV planner sizes it)")
-    header = ["DCP", "hit rate", "attn alone", "req w/ hit", "prefill tok", "CoW", "evictions", "preempt"]
+    header = ["engine", "DCP", "hit rate", "attn alone", "req w/ hit", "prefill tok", "CoW", "evictions", "preempt"]
     has_peak = all(r.peak_blocks_per_group is not None for r in result.reports)
     if has_peak:
         header.append("peak blocks/group")
     header += ["tables MiB/group", "largest req", "violations"]
     rows = [header]
-    for r in result.reports:
+    by_dcp = sorted(result.reports + result.vllm_reports, key=lambda r: (r.dcp, r.engine != "kvproof"))
+    for r in by_dcp:
         row = [
-            str(r.dcp), f"{100 * r.hit_rate:.1f} %", f"{100 * r.attention_hit_rate:.1f} %",
+            r.engine, str(r.dcp), f"{100 * r.hit_rate:.1f} %",
+            "-" if r.attention_hit_rate is None else f"{100 * r.attention_hit_rate:.1f} %",
             f"{r.requests_with_hit:,}/{r.requests:,}", f"{r.prefill_tokens:,}", f"{r.cow_copies:,}",
             f"{r.evictions:,}", f"{r.preemptions:,}",
         ]
         if has_peak:
-            row.append("/".join(f"{b:,}" for b in r.peak_blocks_per_group or ()))
+            row.append("/".join(f"{b:,}" for b in r.peak_blocks_per_group) if r.peak_blocks_per_group else "-")
         row += ["/".join(_mib(b) for b in r.table_bytes_per_group), f"{r.largest_request:,}", str(len(r.violations))]
         rows.append(row)
     lines += ["", _table(rows)]
+    notes = sorted({f"vLLM at DCP {r.dcp}: {n}" for r in result.vllm_reports for n in r.notes})
+    lines += [f"note: {n}" for n in notes]
     if result.sweep:
         dcps = sorted({r.dcp for r in result.sweep})
         sizes = sorted({r.kv_memory_bytes or 0 for r in result.sweep})

@@ -43,20 +43,25 @@ class ConfigReport:
     preemptions: int
     steps: int
     #: Attention groups alone: the hit they could restore at admission (the joint hit is
-    #: lower when a Mamba group has no state there).
-    attention_cached_tokens: int
+    #: lower when a Mamba group has no state there); None where the engine cannot say.
+    attention_cached_tokens: Optional[int]
     peak_blocks_per_group: Optional[list[int]]
     table_bytes_per_group: list[int]
     largest_request: int
     violations: list[str]
     seconds: float
+    engine: str = "kvproof"
+    #: Engine remarks (vLLM: where its own geometry resolution differs from the layout's).
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
-    def attention_hit_rate(self) -> float:
+    def attention_hit_rate(self) -> Optional[float]:
+        if self.attention_cached_tokens is None:
+            return None
         return self.attention_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
