@@ -120,8 +120,10 @@ def _workload(args: argparse.Namespace, max_len: int):
     data = resources.files("kvproof.planner") / "data" / "mooncake_conversation_head1000.jsonl"
     with resources.as_file(data) as path:
         workload = read_workload(str(path), args.step_ms, args.limit)
-    workload.description = "built-in: " + workload.description.split(" (", 1)[1].rstrip(")").replace(
-        "Mooncake format", "first requests of the Mooncake conversation trace (real Kimi chat traffic)")
+    workload.description = (
+        f"built-in: first requests of the Mooncake conversation trace (real Kimi chat traffic), "
+        f"{len(workload):,} requests, {args.step_ms:g} ms per step"
+    )
     return workload
 
 

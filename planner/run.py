@@ -94,15 +94,22 @@ def run_config(
             f"at DCP {dcp} the pool of {pool.num_blocks:,} blocks holds a request of at most {fits:,} tokens, "
             f"but the workload's longest needs {longest:,}; raise --kv-memory-gib or --num-blocks"
         )
-    attention = [m for m in _managers_of(layout) if m]
+    attention = any(g.group.kind.is_attention and g.group.prefix_cacheable for g in layout.groups)
     counted: set[str] = set()
     attention_cached = 0
+    managers: list = []
 
     def on_step(plan: StepPlan, sched: Scheduler) -> None:
+        """At a request's first admission: what the attention groups alone could restore. One
+        pass suffices: full attention / MLA hits are downward closed and go first, so they
+        accept whatever a sliding-window group (last) lowers the length to. Reads the
+        managers, changes nothing."""
         nonlocal attention_cached
-        if not plan.chunks:
-            return
-        managers = [m for m in sched.kv.managers if m.group.kind.is_attention and m.group.prefix_cacheable]
+        if not managers:
+            managers.extend(sorted(
+                (m for m in sched.kv.managers if m.group.kind.is_attention and m.group.prefix_cacheable),
+                key=lambda m: not m.group.kind.supports_fine_grained_lookup,
+            ))
         align = sched.kv.coordinator.alignment
         for c in plan.chunks:
             req = c.request
@@ -152,10 +159,6 @@ def run_config(
         violations=result.violations,
         seconds=seconds,
     )
-
-
-def _managers_of(layout) -> list[bool]:
-    return [g.group.kind.is_attention and g.group.prefix_cacheable for g in layout.groups]
 
 
 def _per_layout_group(values: tuple[int, ...], pool: PoolPlan) -> list[int]:
