@@ -226,6 +226,10 @@ class VllmManagerAdapter:
         vreq.shared_prefix_boundary = boundary
         return VllmHit(num_hit, blocks, boundary)
 
+    def cheaper_hits(self, request: Request, hit: VllmHit):
+        """None: vLLM's scheduler has no fallback; a request that cannot afford its hit waits."""
+        return iter(())
+
     def allocate_slots(self, request: Request, num_new_tokens: int, hit: Optional[VllmHit] = None):
         """vLLM's ``allocate_slots`` as ``Scheduler.schedule`` calls it: for a running request
         with just the new-token count, for a waiting one with the hit's tokens and blocks (and

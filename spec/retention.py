@@ -79,16 +79,17 @@ def keeps_state(
 ) -> bool:
     """Whether the state after ``n`` tokens (a chunk end) stays cached.
 
-    Block-aligned states (``n % block == 0``) are kept at segment boundaries and at the block
-    below every reachable boundary (replay boundaries, junctions, and with EAGLE one block below
-    a junction). A state inside a block is kept only at the prompt's tail checkpoint, or exactly
-    at a junction inside the prompt with ``exact_junction`` -- plus, with dense retention, at
-    every hash boundary inside the prompt.
+    Kept: the prompt's tail checkpoint; block-aligned states (``n % block == 0``) at segment
+    boundaries and at the block below every reachable boundary (replay boundaries, junctions,
+    and with EAGLE one block below a junction); a state inside a block exactly at a junction
+    inside the prompt with ``exact_junction``. Dense retention keeps everything.
     """
     if n <= 0:
         return False
     if rule.interval is None:
         return True
+    if n == checkpoint_position(num_prompt_tokens, rule.hash_block, rule.eagle, rule.lookahead):
+        return True  # the prompt's tail: where a sibling replaying the whole prompt resumes
     b = rule.block
     if n % b == 0:
         if rule.interval and (rule.interval <= b or n % rule.interval == 0):
@@ -99,6 +100,4 @@ def keeps_state(
             if rule.eagle:
                 reachable.append(j - b)
         return any(_block_end_below(p, rule) == n for p in reachable if p > 0)
-    if n == checkpoint_position(num_prompt_tokens, rule.hash_block, rule.eagle, rule.lookahead):
-        return True  # the prompt's tail: where a sibling replaying the whole prompt resumes
     return exact_junction and n in junctions and n <= num_prompt_tokens
