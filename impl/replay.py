@@ -19,6 +19,7 @@ from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
 from kvproof.impl.scheduler import Scheduler, StepPlan
 from kvproof.impl.trace import TraceRequest
+from kvproof.spec import contracts
 from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.layout import Layout
 
@@ -100,8 +101,9 @@ def replay(
     An invariant violation stops the replay and is reported (with the oracle's findings) in
     ``violations``. Bad input raises: CapacityError (a request the pool can never hold),
     ValueError (a request longer than max_model_len, a streamed trace out of arrival order)
-    and StepLimitError (``max_steps`` reached; None means no limit). ``slow`` adds the
-    whole-state checks (pool conservation, table references) after every step. ``on_step``
+    and StepLimitError (``max_steps`` reached; None means no limit). ``slow`` turns the slow
+    switch on for the replay (the slow-tier contracts of every call) and adds the whole-state
+    checks (pool conservation, table references) after every step. ``on_step``
     sees each planned step before it runs; ``on_finish`` each finished request before its
     tokens are dropped.
     """
@@ -139,50 +141,51 @@ def replay(
         sched.add_request(req)
 
     try:
-        while True:
-            if upcoming is not None and not sched.has_unfinished():
-                admit(upcoming)  # idle: bring the next request in, then jump to its arrival
-                upcoming = next(source, None)
-                sched.skip_idle_steps()
-            while upcoming is not None and upcoming[1].arrival <= sched.step + 1:
-                admit(upcoming)
-                upcoming = next(source, None)
-            if not sched.has_unfinished():
-                break
-            if max_steps is not None and sched.step >= max_steps:
-                unfinished = len(sched.pending) + len(sched.waiting) + len(sched.running)
-                raise StepLimitError(
-                    f"replay reached its step limit of {max_steps} steps with {unfinished} request(s) "
-                    "unfinished; raise the limit"
-                )
-            plan = sched.schedule()
-            result.steps_run += 1
-            if not plan.chunks:
-                raise InvariantViolation(
-                    "INV-REPLAY-PROGRESS",
-                    f"step {plan.step} scheduled no token with {len(sched.waiting)} request(s) waiting "
-                    f"and {len(sched.running)} running",
-                )
-            for c in plan.chunks:
-                prompt = c.request.num_prompt_tokens
-                if c.start < prompt:
-                    result.prefill_tokens += min(c.start + c.num_tokens, prompt) - c.start
-            if watcher is not None:
-                watcher.run_step(plan)
-            if on_step is not None:
-                on_step(plan, sched)
-            for req in sched.finish_step(plan):
+        with contracts.slow_checks(slow or contracts.slow()):
+            while True:
+                if upcoming is not None and not sched.has_unfinished():
+                    admit(upcoming)  # idle: bring the next request in, then jump to its arrival
+                    upcoming = next(source, None)
+                    sched.skip_idle_steps()
+                while upcoming is not None and upcoming[1].arrival <= sched.step + 1:
+                    admit(upcoming)
+                    upcoming = next(source, None)
+                if not sched.has_unfinished():
+                    break
+                if max_steps is not None and sched.step >= max_steps:
+                    unfinished = len(sched.pending) + len(sched.waiting) + len(sched.running)
+                    raise StepLimitError(
+                        f"replay reached its step limit of {max_steps} steps with {unfinished} request(s) "
+                        "unfinished; raise the limit"
+                    )
+                plan = sched.schedule()
+                result.steps_run += 1
+                if not plan.chunks:
+                    raise InvariantViolation(
+                        "INV-REPLAY-PROGRESS",
+                        f"step {plan.step} scheduled no token with {len(sched.waiting)} request(s) waiting "
+                        f"and {len(sched.running)} running",
+                    )
+                for c in plan.chunks:
+                    prompt = c.request.num_prompt_tokens
+                    if c.start < prompt:
+                        result.prefill_tokens += min(c.start + c.num_tokens, prompt) - c.start
                 if watcher is not None:
-                    watcher.forget(req)
-                if on_finish is not None:
-                    on_finish(req)
-                index, _ = live.pop(req.request_id)
-                record(index, req)
-            sched.finished.clear()  # drop finished requests' tokens and hashes
-            if slow:
-                kv._check()
-            if watcher is not None and watcher.violations:
-                break
+                    watcher.run_step(plan)
+                if on_step is not None:
+                    on_step(plan, sched)
+                for req in sched.finish_step(plan):
+                    if watcher is not None:
+                        watcher.forget(req)
+                    if on_finish is not None:
+                        on_finish(req)
+                    index, _ = live.pop(req.request_id)
+                    record(index, req)
+                sched.finished.clear()  # drop finished requests' tokens and hashes
+                if slow:
+                    kv._check()
+                if watcher is not None and watcher.violations:
+                    break
     except InvariantViolation as e:
         result.violations.append(str(e))
     if watcher is not None:

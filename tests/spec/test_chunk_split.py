@@ -3,16 +3,16 @@ shared-prefix junction stop (reference 5.4), properties, and contracts that fire
 
 from __future__ import annotations
 
-import collections
-
 import icontract
 import pytest
-from hypothesis import event, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvproof.impl.chunk_split import ChunkSplitter
 from kvproof.spec.chunk_split import SplitRule, checkpoint_position, chunk_end, stops
 from kvproof.spec.contracts import guard_like
+
+from ..conftest import REACH_SETTINGS
 
 
 def chunks(start, num_tokens, num_prompt, bsm, h, budget, partial, eagle=False, junctions=(), exact=False):
@@ -94,21 +94,14 @@ def split_inputs(draw):
     return rule, start, num_new, num_tokens, num_prompt, junctions
 
 
-def test_hot_path_rule_matches_the_spec():
-    counts: collections.Counter = collections.Counter()
-
-    @settings(max_examples=1500, derandomize=True, database=None)
-    @given(split_inputs())
-    def compare(args):
-        rule, start, num_new, num_tokens, num_prompt, junctions = args
-        ours = chunk_end(rule, start, num_new, num_tokens, num_prompt, junctions)
-        label = "waits" if ours == start else "stops" if ours < start + num_new else "whole"
-        counts[label] += 1
-        event(label)
-        assert ChunkSplitter(rule).end(start, num_new, num_tokens, num_prompt, junctions) == ours
-
-    compare()
-    assert min(counts["waits"], counts["stops"], counts["whole"]) >= 30, counts
+@settings(max_examples=1500, **REACH_SETTINGS)
+@given(split_inputs())
+def test_hot_path_rule_matches_the_spec(reach, args):
+    reach.minimums = {"waits": 30, "stops": 30, "whole": 30}
+    rule, start, num_new, num_tokens, num_prompt, junctions = args
+    ours = chunk_end(rule, start, num_new, num_tokens, num_prompt, junctions)
+    reach("waits" if ours == start else "stops" if ours < start + num_new else "whole")
+    assert ChunkSplitter(rule).end(start, num_new, num_tokens, num_prompt, junctions) == ours
 
 
 @given(split_inputs())

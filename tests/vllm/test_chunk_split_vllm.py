@@ -4,11 +4,10 @@ generated input the two end the chunk at the same position (or both make the req
 
 from __future__ import annotations
 
-import collections
 import types
 
 import pytest
-from hypothesis import event, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytestmark = pytest.mark.vllm
@@ -16,6 +15,8 @@ sched_mod = pytest.importorskip("vllm.v1.core.sched.scheduler")
 
 from kvproof.impl.chunk_split import ChunkSplitter  # noqa: E402
 from kvproof.spec.chunk_split import SplitRule, chunk_end  # noqa: E402
+
+from ..conftest import REACH_SETTINGS  # noqa: E402
 
 vllm_split = sched_mod.Scheduler._mamba_block_aligned_split
 
@@ -73,29 +74,20 @@ def split_cases(draw):
     return rule, scheduler_block, start, num_new, num_tokens, num_prompt, junction, threshold, budget
 
 
-def test_kvproof_ends_every_chunk_where_vllm_does():
-    """Fixed seed; fails if the generated cases stop reaching the interesting rules."""
-    counts: collections.Counter = collections.Counter()
-
-    @settings(max_examples=3000, derandomize=True, database=None)
-    @given(split_cases())
-    def compare(case):
-        rule, s, start, num_new, num_tokens, num_prompt, junction, threshold, budget = case
-        theirs = vllm_end(rule, s, start, num_new, num_tokens, num_prompt, junction, threshold, budget)
-        junctions = (junction,) if junction else ()
-        ours = chunk_end(rule, start, num_new, num_tokens, num_prompt, junctions)
-        fast = ChunkSplitter(rule).end(start, num_new, num_tokens, num_prompt, junctions)
-        label = (
-            "waits" if ours == start
-            else "junction stop" if ours != chunk_end(rule, start, num_new, num_tokens, num_prompt, ())
-            else "tail stop" if rule.partial_tail and ours % rule.mamba_block_size and ours < num_prompt
-            else "stops early" if ours < start + num_new
-            else "whole chunk"
-        )
-        counts[label] += 1
-        event(label)
-        assert ours == fast == theirs
-
-    compare()
-    for label, minimum in {"waits": 30, "junction stop": 60, "tail stop": 60, "stops early": 200}.items():
-        assert counts[label] >= minimum, (label, counts)
+@settings(max_examples=3000, **REACH_SETTINGS)
+@given(split_cases())
+def test_kvproof_ends_every_chunk_where_vllm_does(reach, case):
+    reach.minimums = {"waits": 30, "junction stop": 60, "tail stop": 60, "stops early": 200}
+    rule, s, start, num_new, num_tokens, num_prompt, junction, threshold, budget = case
+    theirs = vllm_end(rule, s, start, num_new, num_tokens, num_prompt, junction, threshold, budget)
+    junctions = (junction,) if junction else ()
+    ours = chunk_end(rule, start, num_new, num_tokens, num_prompt, junctions)
+    fast = ChunkSplitter(rule).end(start, num_new, num_tokens, num_prompt, junctions)
+    reach(
+        "waits" if ours == start
+        else "junction stop" if ours != chunk_end(rule, start, num_new, num_tokens, num_prompt, ())
+        else "tail stop" if rule.partial_tail and ours % rule.mamba_block_size and ours < num_prompt
+        else "stops early" if ours < start + num_new
+        else "whole chunk"
+    )
+    assert ours == fast == theirs
