@@ -5,14 +5,14 @@ configurations, in the same run.
     python benchmarks/plan.py [--trace FILE] [--limit N] [--dcp 1,8] [--no-vllm]
 
 Each configuration is the plan's default layout (kimi-k3, 40 GiB per GPU, budget 8,192) on the
-first N requests of the trace (default: the built-in Mooncake slice). Times are process CPU
+first N requests of the trace (default: the built-in Mooncake slice), kvproof with the cheap
+contract tier as ``kvproof plan`` runs it (``--oracle`` adds the content oracle). Times are process CPU
 seconds, so other load on the machine moves them less than wall time.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
 from kvproof.cli.presets import PRESETS
@@ -28,6 +28,7 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=200)
     p.add_argument("--dcp", default="1,8")
     p.add_argument("--no-vllm", action="store_true", help="kvproof only")
+    p.add_argument("--oracle", action="store_true", help="kvproof with the content oracle")
     args = p.parse_args()
     if args.trace is None:
         from importlib import resources
@@ -52,7 +53,7 @@ def main() -> None:
         rates = {}
         for name, run in engines:
             start = time.process_time()
-            report = run(workload, base, dcp, pool, 40 * GIB, dataclasses.replace(RunOptions()))
+            report = run(workload, base, dcp, pool, 40 * GIB, RunOptions(oracle=args.oracle))
             cpu = time.process_time() - start
             rates[name] = (report.hit_rate, len(workload) / cpu, tokens / cpu)
         base_rate = rates.get("vLLM 0.33.0", (0, 0, 0))[1]

@@ -54,7 +54,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once (default 256)")
     r.add_argument("--eagle", action="store_true", help="EAGLE/MTP: hits drop one hash unit for the draft")
     r.add_argument("--no-partial-hash-hits", action="store_true", help="hits only on whole scheduler blocks")
-    r.add_argument("--oracle", action="store_true", help="also run the content oracle on every step (slower)")
+    r.add_argument("--oracle", action="store_true",
+                   help="also run the content oracle on every step (about 3x the CPU time and 5x the memory)")
     r.add_argument("--engine", choices=("kvproof", "vllm"), default="kvproof",
                    help="kvproof's contract-checked scheduler and manager (default); 'vllm' also runs vLLM 0.33.0's "
                    "own scheduler and manager on the CPU, side by side")
