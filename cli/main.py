@@ -10,7 +10,7 @@ from kvproof.cli.errors import EXIT_BAD_INPUT, OneLineArgumentParser, fail_bad_i
 from kvproof.cli.guard import run_command
 
 #: Subcommand modules; each has ``add_parser(subparsers)`` and sets ``run`` as a default.
-COMMANDS = (plan, geometry, replay, prove, e2e)
+COMMANDS = (geometry, replay, prove, e2e, plan)
 
 
 def build_parser() -> OneLineArgumentParser:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from typing import Callable, Optional
@@ -175,18 +176,36 @@ def _fine_unit(layouts: dict[int, Layout]) -> int:
     return min([16] + [lay.cache_hit_alignment for lay in layouts.values()])
 
 
+def _worker_init() -> None:
+    """In each worker: default signal handling (the parent reports Ctrl-C / SIGTERM and then
+    terminates the pool; a worker just dies), and on Linux death with the parent, so a killed
+    plan leaves no worker behind."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def _run_parallel(req: PlanRequest, tasks: list[Task], jobs: int, total: int, progress) -> list[ConfigReport]:
     ctx = multiprocessing.get_context("fork")
     counters = ctx.Array("q", len(tasks), lock=False)
     _SHARED.update(request=req, tasks=tasks, progress=counters)
     try:
-        with ctx.Pool(jobs) as pool:
+        with ctx.Pool(jobs, initializer=_worker_init) as pool:
             pending = pool.map_async(_run_task, range(len(tasks)), chunksize=1)
             while not pending.ready():
                 pending.wait(0.25)
                 if progress is not None:
                     progress(sum(counters), total)
             results = pending.get()
+            pool.close()  # let the workers exit on their own before the pool is torn down
+            pool.join()
     finally:
         _SHARED.clear()
     if progress is not None:

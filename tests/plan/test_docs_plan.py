@@ -21,7 +21,7 @@ def test_the_guide_shows_the_default_run():
 @pytest.mark.slow
 @pytest.mark.parametrize("command, expected", EXAMPLES, ids=[c for c, _ in EXAMPLES])
 def test_documented_output(command, expected, plan_cli, tmp_path, monkeypatch):
-    argv = shlex.split(command)[2:]
+    argv = shlex.split(command)[3:]  # after "$ kvproof plan"
     argv = [str(tmp_path / pathlib.Path(a).name) if a.endswith(".png") else a for a in argv]  # never overwrite the docs' plot
     done = plan_cli(*argv, "--no-progress")
     assert done.returncode == 0, done.stderr

@@ -105,7 +105,7 @@ def test_generator_names_a_bad_parameter(field, value, message):
     ([mooncake(0, 600, 3, [1, 2]), mooncake(5, 600, 3, [1])], "line 2: 1 hash_ids for input_length 600"),
     ([mooncake(0, 600, 3, [1, 2]), {"timestamp": -1, "input_length": 1, "output_length": 0, "hash_ids": [1]}], "line 2: 'timestamp' -1"),
     ([{"id": "a", "prompt": [1]}, {"id": "a", "prompt": [2]}], "line 2: duplicate request id 'a'"),
-    ([{"id": "a", "prompt": [1]}, {"id": "b", "prompt": []}], "line 2: 'prompt' must hold at least one token"),
+    ([{"id": "a", "prompt": [1]}, {"id": "b", "prompt": []}], "line 2 .*'prompt' must hold at least one token"),
     (["", ""], "holds no request"),
 ])
 def test_malformed_traces_name_file_and_line(tmp_path, lines, message):
