@@ -5,12 +5,12 @@ from __future__ import annotations
 import sys
 
 from kvproof import __version__
-from kvproof.cli import e2e, geometry, prove, replay
+from kvproof.cli import e2e, geometry, plan, prove, replay
 from kvproof.cli.errors import EXIT_BAD_INPUT, OneLineArgumentParser, fail_bad_input
 from kvproof.cli.guard import run_command
 
 #: Subcommand modules; each has ``add_parser(subparsers)`` and sets ``run`` as a default.
-COMMANDS = (geometry, replay, prove, e2e)
+COMMANDS = (geometry, replay, prove, e2e, plan)
 
 
 def build_parser() -> OneLineArgumentParser:

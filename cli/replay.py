@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
             "evictions": result.evictions,
             "preemptions": result.preemptions,
             "steps": result.steps,
+            "steps_run": result.steps_run,
         },
         "violations": result.violations,
     }

@@ -213,6 +213,15 @@ class Scheduler:
             self.finished.append(req)
         return done
 
+    def skip_idle_steps(self) -> int:
+        """Mutates. With nothing waiting or running, move the clock to just before the next
+        pending arrival (the steps between would schedule nothing). Returns the steps skipped."""
+        if self.waiting or self.running or not self.pending:
+            return 0
+        skipped = max(self.pending[0].arrival - 1 - self.step, 0)
+        self.step += skipped
+        return skipped
+
 
 def _splitter_for(kv: KVCacheManager, budget: int, threshold: int) -> ChunkSplitter | None:
     """The chunk-split rule when the layout keeps Mamba states in align mode (else None)."""

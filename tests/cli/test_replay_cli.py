@@ -61,7 +61,7 @@ def test_slow_tier_checks_every_step(capsys, k3_trace, monkeypatch):
     monkeypatch.setattr(KVCacheManager, "_check", lambda self: calls.append(1) or real(self))
     code, data, _ = replay_json(capsys, k3_trace, *K3, "--dcp", "2", "--slow")
     assert code == 0 and data["violations"] == []
-    assert len(calls) == data["totals"]["steps"]
+    assert len(calls) == data["totals"]["steps_run"]
 
 
 def test_table_output(capsys, k3_trace):

@@ -322,13 +322,31 @@ def test_step_protocol_fires_when_copies_are_never_taken():
         kv.begin_step()
 
 
-def test_replay_reports_a_run_that_does_not_finish():
-    from kvproof.impl.replay import replay
+def test_replay_step_limit_is_a_limit_error_not_a_violation():
+    from kvproof.impl.replay import StepLimitError, replay
     from kvproof.impl.trace import TraceRequest
 
     layout = resolve_layout(LayoutConfig((CacheGroup(FA, 2), CacheGroup(MAMBA, 4)), max_model_len=64))
-    result = replay([TraceRequest("r", tuple(range(20)), output=(1, 2, 3))], layout, 64, max_num_batched_tokens=4, max_steps=3)
-    assert result.violations == ["INV-REPLAY-PROGRESS: no completion after 3 steps"]
+    trace = [TraceRequest("r", tuple(range(20)), output=(1, 2, 3))]
+    with pytest.raises(StepLimitError, match="step limit of 3 steps with 1 request"):
+        replay(trace, layout, 64, max_num_batched_tokens=4, max_steps=3)
+    assert replay(trace, layout, 64, max_num_batched_tokens=4).violations == []
+
+
+def test_replay_progress_contract_fires_on_a_step_that_schedules_nothing(monkeypatch):
+    from kvproof.impl.replay import replay
+    from kvproof.impl.scheduler import Scheduler, StepPlan
+    from kvproof.impl.trace import TraceRequest
+
+    def schedule_nothing(self):
+        self.step += 1
+        self.kv.begin_step()
+        return StepPlan(self.step, [], [], [])
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule_nothing)
+    layout = resolve_layout(LayoutConfig((CacheGroup(FA, 2), CacheGroup(MAMBA, 4)), max_model_len=64))
+    result = replay([TraceRequest("r", tuple(range(20)), output=(1,))], layout, 64, max_num_batched_tokens=4)
+    assert result.violations == ["INV-REPLAY-PROGRESS: step 1 scheduled no token with 0 request(s) waiting and 0 running"]
 
 
 def test_mamba_partial_hit_inside_a_state_block():

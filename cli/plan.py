@@ -1,0 +1,234 @@
+"""``kvproof plan``: what hit rate, memory and block tables a hybrid model gets at each DCP size
+on a workload (docs/plan.md). A thin command over :mod:`kvproof.planner`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from kvproof.cli.errors import EXIT_OK, EXIT_PROPERTY_FAILED, fail_bad_input
+from kvproof.cli.layout_args import add_layout_arguments, layout_config_from_args
+from kvproof.cli.presets import PRESETS
+
+HELP = "plan hit rate, memory and block tables per DCP size on a workload (default: real Kimi chat traffic)"
+PROG = "kvproof plan"
+DEFAULT_PRESET = "kimi-k3"
+DEFAULT_DCPS = (1, 2, 4, 8)
+DEFAULT_KV_MEMORY_GIB = 40.0
+#: The automatic memory sweep: the KV memory per GPU times these factors.
+SWEEP_FACTORS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("plan", help=HELP, description=HELP, conflict_handler="resolve")
+    w = p.add_argument_group("workload (default: the first 1,000 requests of the Mooncake conversation trace)")
+    w.add_argument("--trace", metavar="FILE", help="a trace in kvproof's JSON Lines or the Mooncake format (detected)")
+    w.add_argument("--limit", type=int, metavar="N", help="only the first N requests of the trace")
+    w.add_argument("--step-ms", type=float, default=50.0, metavar="MS",
+                   help="wall time of one scheduler step, mapping timestamps to steps (default 50)")
+    w.add_argument("--generate", action="store_true", help="a generated multi-turn chat workload instead of a trace")
+    w.add_argument("--requests", type=int, default=1000, help="generator: requests (default 1000)")
+    w.add_argument("--system-prompts", type=int, default=8, help="generator: shared system prompts (default 8)")
+    w.add_argument("--system-prompt-len", default="500-4000", metavar="LO-HI", help="generator: their lengths (default 500-4000)")
+    w.add_argument("--suffix-len", default="20-1000", metavar="LO-HI", help="generator: unique user message lengths (default 20-1000)")
+    w.add_argument("--continuation", type=float, default=0.5, metavar="P",
+                   help="generator: probability that a request continues an earlier conversation (default 0.5)")
+    w.add_argument("--output-len", default="20-600", metavar="LO-HI", help="generator: output lengths (default 20-600)")
+    w.add_argument("--rate", type=float, default=4.0, help="generator: arrivals per second (default 4)")
+    w.add_argument("--seed", type=int, default=0, help="generator: random seed (default 0)")
+    add_layout_arguments(p)
+    p.add_argument("--dcp", default=",".join(map(str, DEFAULT_DCPS)), metavar="N[,N...]",
+                   help="DCP sizes to compare (default 1,2,4,8)")
+    m = p.add_argument_group("memory (default: 40 GiB per GPU, bytes from the preset)")
+    m.add_argument("--kv-memory-gib", type=float, metavar="GIB", help=f"KV memory per GPU (default {DEFAULT_KV_MEMORY_GIB:g})")
+    m.add_argument("--num-blocks", type=int, help="the pool in blocks (null block included) instead of KV memory")
+    m.add_argument("--bytes-per-token", type=int, help="one token of one attention layer on one GPU")
+    m.add_argument("--bytes-per-state", type=int, help="one Mamba / linear-attention state of one layer on one GPU")
+    m.add_argument("--layers", metavar="N[,N...]", help="layers per cache group, in --group order")
+    m.add_argument("--memory-sweep", nargs="?", const="auto", metavar="GIB[,GIB...]",
+                   help="also plan these KV memory sizes per GPU (default: 1/32 .. 1/2 of --kv-memory-gib)")
+    r = p.add_argument_group("run")
+    r.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step (default 8192, as vLLM's server)")
+    r.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once (default 256)")
+    r.add_argument("--eagle", action="store_true", help="EAGLE/MTP: hits drop one hash unit for the draft")
+    r.add_argument("--no-partial-hash-hits", action="store_true", help="hits only on whole scheduler blocks")
+    r.add_argument("--oracle", action="store_true",
+                   help="also run the content oracle on every step (about 3x the CPU time and 5x the memory)")
+    r.add_argument("--engine", choices=("kvproof", "vllm"), default="kvproof",
+                   help="kvproof's contract-checked scheduler and manager (default); 'vllm' also runs vLLM 0.33.0's "
+                   "own scheduler and manager on the CPU, side by side")
+    r.add_argument("--jobs", type=int, help="configurations replayed at once (default: one per core)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object")
+    o.add_argument("--plot", metavar="FILE.png", help="hit rate and memory against DCP size (needs matplotlib)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(run=run)
+
+
+def _int_list(text: str, what: str, low: int, high: int, unique: bool = True) -> tuple[int, ...]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isascii() or not part.isdigit() or not low <= int(part) <= high:
+            raise ValueError(f"{what} {part!r} in {text!r} must be an integer in [{low}, {high}]")
+        out.append(int(part))
+    return tuple(dict.fromkeys(out)) if unique else tuple(out)
+
+
+def _range(text: str, what: str) -> tuple[int, int]:
+    parts = text.split("-")
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
+        raise ValueError(f"{what} {text!r} must be LO-HI (or one length), e.g. 100-2000")
+    return int(parts[0]), int(parts[1])
+
+
+def _gib_list(text: str, base: float) -> tuple[float, ...]:
+    if text == "auto":
+        return tuple(base * f for f in SWEEP_FACTORS)
+    out = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"memory size {part!r} in --memory-sweep must be a positive number of GiB")
+        out.append(value)
+    return tuple(dict.fromkeys(out))
+
+
+def _workload(args: argparse.Namespace, max_len: int):
+    from importlib import resources
+
+    from kvproof.impl.workload import GeneratorSpec, generate, read_workload
+
+    if args.generate:
+        if args.trace is not None:
+            raise ValueError("--generate and --trace exclude each other; give one workload")
+        spec = GeneratorSpec(
+            requests=args.requests, system_prompts=args.system_prompts,
+            system_prompt_len=_range(args.system_prompt_len, "system prompt length"),
+            suffix_len=_range(args.suffix_len, "suffix length"), continuation=args.continuation,
+            output_len=_range(args.output_len, "output length"), rate=args.rate, seed=args.seed,
+        )
+        return generate(spec, args.step_ms, max_len)
+    if args.trace is not None:
+        return read_workload(args.trace, args.step_ms, args.limit)
+    data = resources.files("kvproof.planner") / "data" / "mooncake_conversation_head1000.jsonl"
+    with resources.as_file(data) as path:
+        workload = read_workload(str(path), args.step_ms, args.limit)
+    workload.description = (
+        f"built-in: first requests of the Mooncake conversation trace (real Kimi chat traffic), "
+        f"{len(workload):,} requests, {args.step_ms:g} ms per step"
+    )
+    return workload
+
+
+def _memory(args: argparse.Namespace, from_preset: bool):
+    """Memory figures: flags override the preset's (a preset applies only to its own groups)."""
+    from kvproof.planner.memory import ModelMemory
+
+    preset = PRESETS[args.preset].memory if from_preset and args.preset else None
+    if args.bytes_per_token is None and args.bytes_per_state is None and args.layers is None:
+        return None if preset is None else ModelMemory(preset.layers, preset.bytes_per_token, preset.bytes_per_state)
+    if args.layers is None and preset is None:
+        raise ValueError("--layers is required with --bytes-per-token / --bytes-per-state for a layout without a preset")
+    return ModelMemory(
+        _int_list(args.layers, "layer count", 1, 10_000, unique=False) if args.layers else preset.layers,
+        args.bytes_per_token if args.bytes_per_token is not None else (preset.bytes_per_token if preset else 0),
+        args.bytes_per_state if args.bytes_per_state is not None else (preset.bytes_per_state if preset else 0),
+    )
+
+
+def build_request(args: argparse.Namespace):
+    """Every flag checked and the workload read (validated) before any replay. ValueError if bad."""
+    import dataclasses
+
+    from kvproof.planner.memory import bytes_from_gib
+    from kvproof.planner.plan import PlanRequest, default_jobs
+    from kvproof.planner.run import RunOptions
+    from kvproof.spec.layout import resolve_layout
+
+    if args.preset is None and not args.group:
+        args.preset = DEFAULT_PRESET
+    dcps = _int_list(args.dcp, "DCP size", 1, 1024)
+    layout_args = argparse.Namespace(**{**vars(args), "dcp": dcps[0]})
+    base = layout_config_from_args(layout_args, allow_partial_hash_hits=not args.no_partial_hash_hits)
+    resolve_layout(base)
+    for name in ("max_num_batched_tokens", "max_num_seqs"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.jobs is not None and args.jobs < 1:
+        raise ValueError(f"--jobs {args.jobs} must be >= 1")
+    memory = _memory(args, from_preset=not args.group)
+    if args.num_blocks is not None and args.kv_memory_gib is not None:
+        raise ValueError("--num-blocks and --kv-memory-gib exclude each other; size the pool one way")
+    if args.num_blocks is not None:
+        if args.num_blocks < 2:
+            raise ValueError(f"--num-blocks {args.num_blocks} must be >= 2 (block 0 is the null block)")
+        kv_bytes = None
+    else:
+        if memory is None:
+            raise ValueError(
+                "this layout has no memory figures: give --bytes-per-token, --bytes-per-state and --layers "
+                "(or --num-blocks)"
+            )
+        kv_bytes = bytes_from_gib(args.kv_memory_gib if args.kv_memory_gib is not None else DEFAULT_KV_MEMORY_GIB)
+    sweep = ()
+    if args.memory_sweep is not None:
+        if kv_bytes is None or memory is None:
+            raise ValueError("--memory-sweep sizes pools from KV memory; it needs memory figures, not --num-blocks")
+        sweep = tuple(bytes_from_gib(g) for g in _gib_list(args.memory_sweep, kv_bytes / 2**30))
+        sweep = tuple(s for s in sweep if s != kv_bytes)
+    workload = _workload(args, base.max_model_len)
+    engines = ("kvproof",)
+    if args.engine == "vllm":
+        from kvproof.planner.vllm_engine import require_vllm
+
+        require_vllm()
+        if args.no_partial_hash_hits:
+            raise ValueError("--engine vllm: vLLM 0.33.0 always allows partial hash hits; drop --no-partial-hash-hits")
+        engines = ("kvproof", "vllm")
+    options = RunOptions(args.max_num_batched_tokens, args.max_num_seqs, args.eagle, args.oracle)
+    return PlanRequest(
+        workload, dataclasses.replace(base, dcp=1), dcps, memory, kv_bytes, args.num_blocks, sweep, options,
+        args.jobs or default_jobs(), engines=engines,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvproof.impl.scheduler import CapacityError
+    from kvproof.planner.plan import progress_bar, run_plan
+    from kvproof.planner.report import plan_to_json, plan_to_text
+
+    close = lambda: None  # noqa: E731
+    try:
+        if args.plot is not None:
+            from kvproof.planner.plot import check_destination, require_matplotlib
+
+            require_matplotlib()
+            check_destination(args.plot)
+        req = build_request(args)
+        progress, close = progress_bar(not args.no_progress and sys.stderr.isatty())
+        result = run_plan(req, progress)
+        close()
+        if args.plot is not None:
+            from kvproof.planner.plot import save_plot
+
+            title = f"kvproof plan: {', '.join(g.label for g in req.base.groups)}; {len(req.workload):,} requests"
+            try:
+                save_plot(args.plot, result.reports, result.sweep, title, result.vllm_reports)
+            except OSError as e:
+                raise ValueError(f"cannot write plot file {args.plot!r}: {e.strerror}") from None
+    except (ValueError, CapacityError) as e:
+        close()
+        return fail_bad_input(PROG, str(e))
+    print(json.dumps(plan_to_json(result), indent=2) if args.json else plan_to_text(result))
+    if result.violations:
+        print(f"{PROG}: {result.violations} invariant violation(s)", file=sys.stderr)
+        return EXIT_PROPERTY_FAILED
+    return EXIT_OK

@@ -1,0 +1,288 @@
+"""Workloads for planning: a trace file (kvproof's JSON Lines or the Mooncake format, detected
+per file) or a generated multi-turn chat workload, replayed lazily.
+
+A :class:`Workload` holds one compact entry per request (arrival step, lengths, and what is
+needed to build its tokens: a file offset, Mooncake hash ids, or generator segments) sorted by
+arrival. :meth:`Workload.requests` builds each request's tokens only when the replay asks for
+it, so the expanded trace is never held whole. Reading a file validates every line up front:
+a malformed line fails before any replay work, with its number.
+
+**Step-time model.** The scheduler counts steps, traces count milliseconds. Every scheduler
+step is taken to last ``step_ms`` milliseconds of wall time, whatever it computes, so a request
+stamped ``t`` ms arrives at step ``floor(t / step_ms)`` (and idle steps are skipped). A fixed
+step is a simplification: a real step grows with the tokens it computes. It decides only how
+many requests overlap in time, hence how much they compete for the pool; with a pool that
+never evicts, the hit rate does not depend on it. kvproof-format traces carry arrival steps
+already and ignore ``step_ms``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import random
+from typing import Callable, Iterator, NamedTuple, Optional
+
+from kvproof.impl.mooncake import MooncakeRequest, is_mooncake_record, iter_mooncake, to_trace_request
+from kvproof.impl.trace import TraceError, TraceRequest, parse_line
+
+KVPROOF_FORMAT = "kvproof"
+MOONCAKE_FORMAT = "mooncake"
+#: Longest scheduler step the model accepts (an hour); shortest a microsecond.
+MAX_STEP_MS = 3_600_000.0
+MIN_STEP_MS = 0.001
+
+
+class Entry(NamedTuple):
+    """One request, compactly: enough to order, size and later build it."""
+
+    arrival: int
+    prompt_len: int
+    output_len: int
+    ref: object  # format-specific: a file offset, a MooncakeRequest, generator segments
+
+
+@dataclasses.dataclass
+class Workload:
+    """Requests in arrival order (stable: equal arrivals keep the source's order)."""
+
+    description: str
+    entries: list[Entry]
+    build: Callable[[Entry], TraceRequest]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def requests(self) -> Iterator[TraceRequest]:
+        """A fresh pass over the requests, each built when it is asked for."""
+        build = self.build
+        for e in self.entries:
+            yield build(e)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(e.prompt_len for e in self.entries)
+
+    @property
+    def longest_request(self) -> int:
+        """Most tokens any request holds: its prompt and every output but the last."""
+        return max((e.prompt_len + max(e.output_len - 1, 0) for e in self.entries), default=0)
+
+
+def step_of(timestamp_ms: float, step_ms: float) -> int:
+    """The scheduler step at which a request stamped ``timestamp_ms`` arrives."""
+    return math.floor(timestamp_ms / step_ms)
+
+
+def check_step_ms(step_ms: float) -> float:
+    if not isinstance(step_ms, (int, float)) or not math.isfinite(step_ms) or not MIN_STEP_MS <= step_ms <= MAX_STEP_MS:
+        raise ValueError(f"step time {step_ms!r} ms must be a number in [{MIN_STEP_MS}, {MAX_STEP_MS:.0f}]")
+    return float(step_ms)
+
+
+def _check_limit(limit: Optional[int]) -> None:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"request limit {limit!r} must be a positive integer")
+
+
+# --- trace files ----------------------------------------------------------------------------
+
+
+def detect_format(path: str) -> str:
+    """``"mooncake"`` or ``"kvproof"``, from the file's first non-blank line. Raises ValueError
+    naming the file (unreadable, empty, not JSON on that line)."""
+    try:
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    obj = json.loads(raw)
+                except (UnicodeDecodeError, ValueError) as e:
+                    detail = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8 text"
+                    raise ValueError(f"{path}: line {lineno}: not valid JSON ({detail})") from None
+                except RecursionError:
+                    raise ValueError(f"{path}: line {lineno}: JSON nested too deeply") from None
+                return MOONCAKE_FORMAT if is_mooncake_record(obj) else KVPROOF_FORMAT
+    except OSError as e:
+        raise ValueError(f"cannot read trace {path!r}: {e.strerror}") from None
+    raise ValueError(f"{path}: the trace holds no request")
+
+
+def read_workload(path: str, step_ms: float = 50.0, limit: Optional[int] = None) -> Workload:
+    """The trace at ``path`` (format detected), at most ``limit`` requests in file order.
+    Every line is validated now. Raises ValueError naming the file, line and field."""
+    check_step_ms(step_ms)
+    _check_limit(limit)
+    fmt = detect_format(path)
+    if fmt == MOONCAKE_FORMAT:
+        return _mooncake_workload(path, step_ms, limit)
+    return _kvproof_workload(path, limit)
+
+
+def _mooncake_workload(path: str, step_ms: float, limit: Optional[int]) -> Workload:
+    try:
+        entries = [
+            Entry(step_of(r.timestamp_ms, step_ms), r.input_length, r.output_length, r)
+            for r in iter_mooncake(path, limit)
+        ]
+    except RecursionError:
+        raise ValueError(f"{path}: a line is nested too deeply to be a Mooncake record") from None
+    if not entries:
+        raise ValueError(f"{path}: the trace holds no request")
+    entries.sort(key=lambda e: e.arrival)
+
+    def build(e: Entry) -> TraceRequest:
+        req: MooncakeRequest = e.ref  # type: ignore[assignment]
+        return to_trace_request(req, e.arrival)
+
+    return Workload(f"{path} (Mooncake format, {len(entries):,} requests, {step_ms:g} ms per step)", entries, build)
+
+
+def _kvproof_workload(path: str, limit: Optional[int]) -> Workload:
+    entries: list[Entry] = []
+    seen: dict[str, int] = {}
+    try:
+        with open(path, "rb") as f:
+            offset = 0
+            for lineno, raw in enumerate(f, start=1):
+                start, offset = offset, offset + len(raw)
+                if limit is not None and len(entries) >= limit:
+                    break
+                if not raw.strip():
+                    continue
+                req = _parse_raw(raw, lineno)
+                if req.id in seen:
+                    raise TraceError(f"line {lineno}: duplicate request id {req.id!r} (first on line {seen[req.id]})")
+                seen[req.id] = lineno
+                entries.append(Entry(req.arrival, len(req.prompt), len(req.output), (start, lineno)))
+    except OSError as e:
+        raise ValueError(f"cannot read trace {path!r}: {e.strerror}") from None
+    except TraceError as e:
+        raise ValueError(f"{path}: {e}") from None
+    if not entries:
+        raise ValueError(f"{path}: the trace holds no request")
+    entries.sort(key=lambda e: e.arrival)
+
+    def build(e: Entry) -> TraceRequest:
+        offset, lineno = e.ref  # type: ignore[misc]
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return _parse_raw(f.readline(), lineno)
+
+    return Workload(f"{path} (kvproof format, {len(entries):,} requests)", entries, build)
+
+
+def _parse_raw(raw: bytes, lineno: int) -> TraceRequest:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TraceError(f"line {lineno}: not UTF-8 text (byte {e.start})") from None
+    try:
+        return parse_line(text, lineno)
+    except RecursionError:
+        raise TraceError(f"line {lineno}: JSON nested too deeply") from None
+
+
+# --- the generator ---------------------------------------------------------------------------
+
+#: Token spaces of the generator's segments (disjoint, so equal tokens mean equal content).
+_SYSTEM_BASE = 0
+_USER_BASE = 1 << 40
+_OUTPUT_BASE = 1 << 48
+_SEGMENT_STRIDE = 1 << 24  # longest segment the generator may draw
+#: Conversations a continuation may pick from (the most recent ones).
+_OPEN_CONVERSATIONS = 64
+MAX_GENERATED_REQUESTS = 10_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratorSpec:
+    """A multi-turn chat workload. Each request is either a new conversation (one of
+    ``system_prompts`` shared system prompts, then a unique user message) or, with probability
+    ``continuation``, the next turn of one of the 64 most recent conversations: its whole
+    previous prompt and answer, then a new unique message. Lengths are drawn uniformly from
+    the inclusive ranges; arrivals are a Poisson process of ``rate`` requests per second.
+    A continuation may arrive while the turn it continues is still running; it then reuses
+    only what is cached by then."""
+
+    requests: int = 1000
+    system_prompts: int = 8
+    system_prompt_len: tuple[int, int] = (500, 4000)
+    suffix_len: tuple[int, int] = (20, 1000)
+    continuation: float = 0.5
+    output_len: tuple[int, int] = (20, 600)
+    rate: float = 4.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the parameter that is out of range."""
+        def count(name: str, value: object, low: int, high: int) -> None:
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"{name} {value!r} must be an integer in [{low}, {high}]")
+
+        count("requests", self.requests, 1, MAX_GENERATED_REQUESTS)
+        count("system prompts", self.system_prompts, 0, 1_000_000)
+        for name, (low, high), least in (
+            ("system prompt length", self.system_prompt_len, 1),
+            ("suffix length", self.suffix_len, 1),
+            ("output length", self.output_len, 1),
+        ):
+            count(f"{name} lower bound", low, least, _SEGMENT_STRIDE - 1)
+            count(f"{name} upper bound", high, low, _SEGMENT_STRIDE - 1)
+        if not isinstance(self.continuation, (int, float)) or not 0.0 <= self.continuation <= 1.0:
+            raise ValueError(f"continuation probability {self.continuation!r} must be in [0, 1]")
+        if not isinstance(self.rate, (int, float)) or not math.isfinite(self.rate) or not 0 < self.rate <= 1e6:
+            raise ValueError(f"arrival rate {self.rate!r} must be a number in (0, 1e6] requests per second")
+        count("seed", self.seed, 0, (1 << 63) - 1)
+
+
+def _segments_len(segments: tuple[tuple[int, int], ...]) -> int:
+    return sum(n for _, n in segments)
+
+
+def generate(spec: GeneratorSpec, step_ms: float = 50.0, max_tokens: Optional[int] = None) -> Workload:
+    """Draw the workload (deterministic in ``spec.seed``). Conversations that would grow past
+    ``max_tokens`` (prompt plus output) start afresh instead. Raises ValueError on a bad spec."""
+    spec.validate()
+    check_step_ms(step_ms)
+    rng = random.Random(spec.seed)
+    system = [
+        (_SYSTEM_BASE + k * _SEGMENT_STRIDE, rng.randint(*spec.system_prompt_len)) for k in range(spec.system_prompts)
+    ]
+    recent: collections.deque[tuple[tuple[int, int], ...]] = collections.deque(maxlen=_OPEN_CONVERSATIONS)
+    entries: list[Entry] = []
+    clock_ms = 0.0
+    for i in range(spec.requests):
+        clock_ms += rng.expovariate(spec.rate) * 1000.0
+        user = (_USER_BASE + i * _SEGMENT_STRIDE, rng.randint(*spec.suffix_len))
+        out_len = rng.randint(*spec.output_len)
+        prompt: tuple[tuple[int, int], ...] = ()
+        if recent and rng.random() < spec.continuation:
+            prompt = recent[rng.randrange(len(recent))] + (user,)
+        if not prompt or (max_tokens is not None and _segments_len(prompt) + out_len - 1 > max_tokens):
+            prompt = ((system[rng.randrange(len(system))],) if system else ()) + (user,)
+        if max_tokens is not None and _segments_len(prompt) + out_len - 1 > max_tokens:
+            raise ValueError(
+                f"generated request {i} needs {_segments_len(prompt) + out_len - 1} tokens > max_model_len "
+                f"{max_tokens}; shorten the generator's lengths"
+            )
+        output = (_OUTPUT_BASE + i * _SEGMENT_STRIDE, out_len)
+        recent.append(prompt + (output,))
+        entries.append(Entry(step_of(clock_ms, step_ms), _segments_len(prompt), out_len, (f"g{i}", prompt, output)))
+
+    def build(e: Entry) -> TraceRequest:
+        rid, prompt, (out_start, out_len) = e.ref  # type: ignore[misc]
+        tokens: list[int] = []
+        for start, n in prompt:
+            tokens.extend(range(start, start + n))
+        return TraceRequest(rid, tuple(tokens), tuple(range(out_start, out_start + out_len)), arrival=e.arrival)
+
+    return Workload(
+        f"generated: {spec.requests:,} requests, {spec.system_prompts} system prompts, continuation "
+        f"{spec.continuation:g}, {spec.rate:g} requests/s, seed {spec.seed}",
+        entries,
+        build,
+    )

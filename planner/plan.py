@@ -1,0 +1,242 @@
+"""A whole plan: one workload through every configuration (DCP sizes, and with a memory sweep
+KV memory sizes), then recommendations and diagnoses. Configurations run in worker processes
+(one per core by default), each replaying lazily."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from typing import Callable, Optional
+
+from kvproof.impl.workload import Workload
+from kvproof.planner.diagnose import Diagnosis, diagnose, recommend
+from kvproof.planner.memory import ModelMemory, PoolPlan, gib, plan_pool
+from kvproof.planner.reuse import reusable_fraction
+from kvproof.planner.run import ConfigReport, RunOptions, config_layout, run_config
+from kvproof.spec.layout import Layout, LayoutConfig, resolve_layout
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    """What to plan. Exactly one of ``kv_memory_bytes`` and ``num_blocks`` sizes the pool;
+    ``memory`` (bytes per token / state, layers) is needed for the former."""
+
+    workload: Workload
+    base: LayoutConfig
+    dcps: tuple[int, ...]
+    memory: Optional[ModelMemory]
+    kv_memory_bytes: Optional[int]
+    num_blocks: Optional[int]
+    sweep_bytes: tuple[int, ...] = ()
+    options: RunOptions = RunOptions()
+    jobs: int = 1
+    reuse_probe: bool = True
+    #: Engines per DCP size: kvproof always; "vllm" adds vLLM 0.33.0's own scheduler.
+    engines: tuple[str, ...] = ("kvproof",)
+
+
+@dataclasses.dataclass
+class Task:
+    dcp: int
+    kv_memory_bytes: Optional[int]
+    pool: PoolPlan
+    sweep: bool
+    engine: str = "kvproof"
+
+    def run(self, req: "PlanRequest", tick: Callable[[], None]) -> ConfigReport:
+        if self.engine == "vllm":
+            from kvproof.planner.vllm_engine import run_config_vllm
+
+            return run_config_vllm(req.workload, req.base, self.dcp, self.pool, self.kv_memory_bytes, req.options, tick)
+        return run_config(req.workload, req.base, self.dcp, self.pool, self.kv_memory_bytes, req.options, tick)
+
+
+@dataclasses.dataclass
+class PlanResult:
+    request: PlanRequest
+    layouts: dict[int, Layout]
+    reports: list[ConfigReport]  # kvproof's, one per DCP size
+    sweep: list[ConfigReport]
+    #: vLLM's own scheduler on the same configurations (``engines`` includes "vllm").
+    vllm_reports: list[ConfigReport]
+    recommendation: dict
+    diagnoses: list[Diagnosis]
+    reuse: dict[int, float]
+    seconds: float
+    #: Per layout group: how many vLLM groups (identical, each with its own blocks) it became.
+    vllm_groups: tuple[int, ...] = ()
+
+    @property
+    def violations(self) -> int:
+        return sum(len(r.violations) for r in self.reports + self.sweep)
+
+
+def _pool_for(req: PlanRequest, layout: Layout, kv_bytes: Optional[int]) -> PoolPlan:
+    if req.memory is None:
+        if req.num_blocks is None:
+            raise ValueError("no memory figures for this layout: give --bytes-per-token, --bytes-per-state and --layers, or --num-blocks")
+        return PoolPlan((), 0, 1, tuple(1 for _ in layout.groups), 0, req.num_blocks)
+    return plan_pool(layout, req.memory, kv_bytes, None if kv_bytes is not None else req.num_blocks)
+
+
+def prepare(req: PlanRequest) -> tuple[dict[int, Layout], list[Task]]:
+    """Resolve every layout and pool before any replay (bad input fails here, fast)."""
+    layouts = {d: resolve_layout(dataclasses.replace(req.base, dcp=d)) for d in req.dcps}
+    tasks = []
+    for d in req.dcps:
+        pool = _pool_for(req, layouts[d], req.kv_memory_bytes)
+        _check_pool(pool, d, req.kv_memory_bytes)
+        config_layout(req.base, d, pool)  # the expanded geometry must resolve too
+        tasks.append(Task(d, req.kv_memory_bytes, pool, False))
+        if "vllm" in req.engines:
+            tasks.append(Task(d, req.kv_memory_bytes, pool, False, "vllm"))
+    for kv in req.sweep_bytes:
+        for d in req.dcps:
+            pool = _pool_for(req, layouts[d], kv)
+            _check_pool(pool, d, kv)
+            tasks.append(Task(d, kv, pool, True))
+    return layouts, tasks
+
+
+#: Most pool blocks a plan may ask for: the pool keeps two int lists per block, so this bounds
+#: its memory to about 1 GiB.
+MAX_POOL_BLOCKS = 16_000_000
+
+
+def _check_pool(pool: PoolPlan, dcp: int, kv_bytes: Optional[int]) -> None:
+    if pool.num_blocks < 2:
+        what = f"{gib(kv_bytes):.4g} GiB per GPU" if kv_bytes is not None else f"{pool.num_blocks} blocks"
+        per = f" ({pool.block_bytes / 2**20:.2f} MiB per block)" if pool.block_bytes else ""
+        raise ValueError(f"DCP {dcp}: {what} make a pool of {pool.num_blocks} block(s){per}; expected at least 2 (block 0 is the null block)")
+    if pool.num_blocks > MAX_POOL_BLOCKS:
+        raise ValueError(
+            f"DCP {dcp}: a pool of {pool.num_blocks:,} blocks is larger than kvproof simulates "
+            f"({MAX_POOL_BLOCKS:,}); lower the KV memory or --num-blocks"
+        )
+
+
+# Worker processes inherit the request through fork (the workload's builders are closures).
+_SHARED: dict = {}
+
+
+def _run_task(index: int) -> ConfigReport:
+    req: PlanRequest = _SHARED["request"]
+    task: Task = _SHARED["tasks"][index]
+    done = _SHARED["progress"]
+
+    def tick() -> None:
+        done[index] += 1
+
+    return task.run(req, tick)
+
+
+def run_plan(req: PlanRequest, progress: Optional[Callable[[int, int], None]] = None) -> PlanResult:
+    """Run every configuration; ``progress(done, total)`` is called as requests finish.
+    Raises ValueError / CapacityError for input a configuration cannot serve."""
+    started = time.perf_counter()
+    layouts, tasks = prepare(req)
+    total = len(tasks) * len(req.workload)
+    jobs = max(1, min(req.jobs, len(tasks)))
+    if jobs > 1 and "fork" in multiprocessing.get_all_start_methods():
+        results = _run_parallel(req, tasks, jobs, total, progress)
+    else:
+        results, finished = [], 0
+        for t in tasks:
+            def tick() -> None:
+                nonlocal finished
+                finished += 1
+                if progress is not None:
+                    progress(finished, total)
+
+            results.append(t.run(req, tick))
+    reports = [r for r, t in zip(results, tasks) if not t.sweep and t.engine == "kvproof"]
+    vllm_reports = [r for r, t in zip(results, tasks) if t.engine == "vllm"]
+    sweep = [r for r, t in zip(results, tasks) if t.sweep]
+    if sweep:  # the main runs are sweep points too
+        sweep = sorted(sweep + [r for r in reports if r.kv_memory_bytes is not None], key=lambda r: (r.dcp, r.kv_memory_bytes or 0))
+    reuse = {}
+    if req.reuse_probe:
+        units = sorted({layouts[d].cache_hit_alignment for d in req.dcps} | {_fine_unit(layouts)})
+        reuse = reusable_fraction(req.workload.requests(), tuple(units))
+    prompt_lengths = [e.prompt_len for e in req.workload.entries]
+    diagnoses = diagnose(layouts, reports, prompt_lengths, req.options.max_num_seqs, req.memory, reuse)
+    return PlanResult(
+        req, layouts, reports, sweep, vllm_reports, recommend(reports, sweep), diagnoses, reuse, time.perf_counter() - started,
+        tasks[0].pool.vllm_groups,
+    )
+
+
+def _fine_unit(layouts: dict[int, Layout]) -> int:
+    """The fine reference for the hash-unit probe: 16 tokens (vLLM's default attention block),
+    or the smallest hit unit when that is finer."""
+    return min([16] + [lay.cache_hit_alignment for lay in layouts.values()])
+
+
+def _worker_init() -> None:
+    """In each worker: default signal handling (the parent reports Ctrl-C / SIGTERM and then
+    terminates the pool; a worker just dies), and on Linux death with the parent, so a killed
+    plan leaves no worker behind."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _run_parallel(req: PlanRequest, tasks: list[Task], jobs: int, total: int, progress) -> list[ConfigReport]:
+    ctx = multiprocessing.get_context("fork")
+    counters = ctx.Array("q", len(tasks), lock=False)
+    _SHARED.update(request=req, tasks=tasks, progress=counters)
+    try:
+        with ctx.Pool(jobs, initializer=_worker_init) as pool:
+            pending = pool.map_async(_run_task, range(len(tasks)), chunksize=1)
+            while not pending.ready():
+                pending.wait(0.25)
+                if progress is not None:
+                    progress(sum(counters), total)
+            results = pending.get()
+            pool.close()  # let the workers exit on their own before the pool is torn down
+            pool.join()
+    finally:
+        _SHARED.clear()
+    if progress is not None:
+        progress(total, total)
+    return results
+
+
+def default_jobs() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def progress_bar(enabled: bool):
+    """A ``progress(done, total)`` callback drawing a tqdm bar on stderr, and its closer; both
+    no-ops when disabled (not a terminal, or --no-progress)."""
+    if not enabled:
+        return None, lambda: None
+    from tqdm import tqdm
+
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, unit="req", desc="replaying", leave=False, file=sys.stderr, dynamic_ncols=True)
+        bar.update(done - bar.n)
+
+    def close() -> None:
+        if bar is not None:
+            bar.close()
+
+    return update, close

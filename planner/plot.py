@@ -1,0 +1,110 @@
+"""The plan as a picture: hit rate and memory against DCP size, and (with a memory sweep) hit
+rate against KV memory per GPU for each DCP size -- capacity against hit rate, the shape of the
+Mooncake paper's Fig. 9. Needs matplotlib (the ``plot`` extra); the file appears whole or not
+at all."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from kvproof.planner.memory import gib
+from kvproof.planner.run import ConfigReport
+
+MISSING = "--plot needs matplotlib; install it with: pip install 'kvproof[plot]'"
+
+
+def require_matplotlib() -> None:
+    """Raise ValueError with a one-line install hint when matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError(MISSING) from None
+
+
+def check_destination(path: str) -> None:
+    """Raise ValueError if ``path`` cannot be written (checked before any replay work)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not path.lower().endswith(".png"):
+        raise ValueError(f"plot file {path!r} must end in .png")
+    if os.path.isdir(path):
+        raise ValueError(f"plot file {path!r} is a directory")
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"cannot write plot file {path!r}: folder {folder!r} is missing or not writable")
+
+
+def build_figure(reports: list[ConfigReport], sweep: list[ConfigReport], title: str, vllm_reports: list[ConfigReport] = ()):
+    """The figure (not saved): axes 'hit rate vs DCP', 'memory vs DCP' and, with a sweep,
+    'hit rate vs KV memory'. No state change outside matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    panels = 3 if sweep else 2
+    fig = Figure(figsize=(5.2 * panels, 4.2), layout="constrained")
+    axes = fig.subplots(1, panels)
+    runs = sorted(reports, key=lambda r: r.dcp)
+    dcps = [r.dcp for r in runs]
+
+    ax = axes[0]
+    ax.plot(dcps, [100 * r.hit_rate for r in runs], "o-", label="hit rate")
+    ax.plot(dcps, [100 * (r.attention_hit_rate or 0.0) for r in runs], "s--", label="attention groups alone")
+    if vllm_reports:
+        theirs = sorted(vllm_reports, key=lambda r: r.dcp)
+        ax.plot([r.dcp for r in theirs], [100 * r.hit_rate for r in theirs], "x:", label="vLLM 0.33.0")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(dcps, [str(d) for d in dcps])
+    ax.set_xlabel("DCP size")
+    ax.set_ylabel("prompt tokens from the prefix cache (%)")
+    ax.set_title("hit rate vs DCP size")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+
+    ax = axes[1]
+    ax.plot(dcps, [gib(r.num_blocks * r.block_bytes) for r in runs], "o-", label="KV pool")
+    if all(r.peak_blocks_per_group is not None for r in runs):
+        ax.plot(dcps, [gib(sum(r.peak_blocks_per_group or ()) * r.block_bytes) for r in runs], "^-", label="peak KV in use")
+    ax.plot(dcps, [gib(sum(r.table_bytes_per_group)) for r in runs], "s--", label="block tables")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(dcps, [str(d) for d in dcps])
+    ax.set_xlabel("DCP size")
+    ax.set_ylabel("GiB per GPU")
+    ax.set_title("memory vs DCP size")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+
+    if sweep:
+        ax = axes[2]
+        for dcp in sorted({r.dcp for r in sweep}):
+            points = sorted((r for r in sweep if r.dcp == dcp), key=lambda r: r.kv_memory_bytes or 0)
+            ax.plot([gib(r.kv_memory_bytes or 0) for r in points], [100 * r.hit_rate for r in points], "o-", label=f"DCP {dcp}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV memory per GPU (GiB)")
+        ax.set_ylabel("prompt tokens from the prefix cache (%)")
+        ax.set_title("hit rate vs KV memory")
+        ax.set_ylim(bottom=0)
+        ax.legend()
+    fig.suptitle(title, fontsize="medium")
+    return fig
+
+
+def save_plot(path: str, reports: list[ConfigReport], sweep: list[ConfigReport], title: str, vllm_reports: list[ConfigReport] = ()) -> None:
+    """Write the PNG atomically: into a temporary file beside ``path``, then renamed over it,
+    so a reader never sees a half-written plot and a failure leaves nothing behind."""
+    fig = build_figure(reports, sweep, title, vllm_reports)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".kvproof-plot-", suffix=".png", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png", dpi=110)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give it a normal file's mode
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise

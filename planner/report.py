@@ -1,0 +1,140 @@
+"""A plan as JSON (``--json``) and as text: one row per configuration, then the recommendation
+and the diagnoses."""
+
+from __future__ import annotations
+
+from kvproof.planner.memory import gib
+from kvproof.planner.plan import PlanResult
+from kvproof.planner.run import ConfigReport
+
+
+def config_to_json(r: ConfigReport) -> dict:
+    out = {
+        "dcp": r.dcp,
+        "kv_memory_gib": None if r.kv_memory_bytes is None else round(gib(r.kv_memory_bytes), 6),
+        "num_blocks": r.num_blocks,
+        "block_bytes": r.block_bytes,
+        "hash_block_size": r.hash_block_size,
+        "cache_hit_alignment": r.cache_hit_alignment,
+        "requests": r.requests,
+        "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens,
+        "hit_rate": round(r.hit_rate, 6),
+        "attention_hit_rate": None if r.attention_hit_rate is None else round(r.attention_hit_rate, 6),
+        "requests_with_hit": r.requests_with_hit,
+        "prefill_tokens": r.prefill_tokens,
+        "cow_copies": r.cow_copies,
+        "evictions": r.evictions,
+        "preemptions": r.preemptions,
+        "steps": r.steps,
+        "table_bytes_per_group": r.table_bytes_per_group,
+        "largest_request": r.largest_request,
+        "violations": r.violations,
+        "seconds": round(r.seconds, 3),
+        "engine": r.engine,
+    }
+    if r.notes:
+        out["notes"] = r.notes
+    if r.peak_blocks_per_group is not None:
+        out["peak_blocks_per_group"] = r.peak_blocks_per_group
+    return out
+
+
+def plan_to_json(result: PlanResult) -> dict:
+    req = result.request
+    base = result.layouts[req.dcps[0]]
+    return {
+        "workload": {
+            "description": req.workload.description,
+            "requests": len(req.workload),
+            "prompt_tokens": req.workload.prompt_tokens,
+        },
+        "layout": {
+            "groups": [g.group.label for g in base.groups],
+            "max_model_len": base.config.max_model_len,
+            "retention_interval": base.config.retention_interval,
+            "max_num_batched_tokens": req.options.max_num_batched_tokens,
+            "max_num_seqs": req.options.max_num_seqs,
+            "vllm_groups_per_group": list(result.vllm_groups),
+        },
+        "engine": "kvproof",
+        "oracle": req.options.oracle,
+        "configs": [config_to_json(r) for r in result.reports],
+        "vllm_configs": [config_to_json(r) for r in result.vllm_reports],
+        "memory_sweep": [config_to_json(r) for r in result.sweep],
+        "reuse_bound": {str(u): round(f, 6) for u, f in sorted(result.reuse.items())},
+        "recommendation": result.recommendation,
+        "diagnoses": [d.to_json() for d in result.diagnoses],
+        "seconds": round(result.seconds, 3),
+    }
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def plan_to_text(result: PlanResult) -> str:
+    req = result.request
+    base = result.layouts[req.dcps[0]]
+    lines = [
+        f"workload: {req.workload.description}; {req.workload.prompt_tokens:,} prompt tokens",
+        f"layout: {', '.join(g.group.label for g in base.groups)}; max-model-len {base.config.max_model_len:,}; "
+        f"retention {'none' if base.config.retention_interval is None else base.config.retention_interval}; "
+        f"budget {req.options.max_num_batched_tokens:,} tokens/step; engine kvproof"
+        + (" and vLLM 0.33.0" if result.vllm_reports else "")
+        + (" with the content oracle" if req.options.oracle else ""),
+    ]
+    if result.reports and result.reports[0].block_bytes:
+        r0 = result.reports[0]
+        mem = f"{gib(r0.kv_memory_bytes):.4g} GiB per GPU -> " if r0.kv_memory_bytes is not None else ""
+        lines.append(f"pool: {mem}{r0.num_blocks:,} blocks of {_mib(r0.block_bytes)} MiB (as vLLM's KV planner sizes it)")
+    header = ["engine", "DCP", "hit rate", "attn alone", "req w/ hit", "prefill tok", "CoW", "evictions", "preempt"]
+    has_peak = all(r.peak_blocks_per_group is not None for r in result.reports)
+    if has_peak:
+        header.append("peak blocks/group")
+    header += ["tables MiB/group", "largest req", "violations"]
+    rows = [header]
+    by_dcp = sorted(result.reports + result.vllm_reports, key=lambda r: (r.dcp, r.engine != "kvproof"))
+    for r in by_dcp:
+        row = [
+            r.engine, str(r.dcp), f"{100 * r.hit_rate:.1f} %",
+            "-" if r.attention_hit_rate is None else f"{100 * r.attention_hit_rate:.1f} %",
+            f"{r.requests_with_hit:,}/{r.requests:,}", f"{r.prefill_tokens:,}", f"{r.cow_copies:,}",
+            f"{r.evictions:,}", f"{r.preemptions:,}",
+        ]
+        if has_peak:
+            row.append("/".join(f"{b:,}" for b in r.peak_blocks_per_group) if r.peak_blocks_per_group else "-")
+        row += ["/".join(_mib(b) for b in r.table_bytes_per_group), f"{r.largest_request:,}", str(len(r.violations))]
+        rows.append(row)
+    lines += ["", _table(rows)]
+    notes = sorted({f"vLLM at DCP {r.dcp}: {n}" for r in result.vllm_reports for n in r.notes})
+    lines += [f"note: {n}" for n in notes]
+    if result.sweep:
+        dcps = sorted({r.dcp for r in result.sweep})
+        sizes = sorted({r.kv_memory_bytes or 0 for r in result.sweep})
+        grid = {(r.dcp, r.kv_memory_bytes or 0): r for r in result.sweep}
+        rows = [["GiB/GPU"] + [f"DCP {d}" for d in dcps]]
+        for s in sizes:
+            rows.append([f"{gib(s):.4g}"] + [f"{100 * grid[(d, s)].hit_rate:.1f} %" if (d, s) in grid else "-" for d in dcps])
+        lines += ["", "hit rate by KV memory per GPU:", _table(rows)]
+    if result.reuse:
+        lines += ["", "reuse the traffic allows with an unbounded cache: " + ", ".join(
+            f"{100 * f:.1f} % in {u:,}-token steps" for u, f in sorted(result.reuse.items()))]
+    lines += ["", f"recommendation: {result.recommendation['text']}"]
+    if result.diagnoses:
+        lines.append("diagnoses:")
+        lines += [f"  [{d.id}] {d.message}" for d in result.diagnoses]
+    else:
+        lines.append("diagnoses: none")
+    bad = [v for r in result.reports + result.sweep for v in r.violations]
+    if bad:
+        lines.append(f"{len(bad)} invariant violation(s):")
+        lines += [f"  {v}" for v in bad]
+    else:
+        lines.append("invariant violations: none")
+    return "\n".join(lines)

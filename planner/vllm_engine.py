@@ -1,0 +1,109 @@
+"""One planning configuration through vLLM 0.33.0's own scheduler and KV-cache manager, driven by
+hand on the CPU (:mod:`kvproof.integrations.vllm.engine_harness`), so a plan shows what vLLM
+itself would do next to kvproof's numbers. Needs vLLM installed (``requirements/vllm.txt``).
+
+The workload is fed lazily, as kvproof's replay does: a request is handed to vLLM the step
+before it arrives, and when nothing is in flight the step counter jumps to the next arrival
+(the skipped steps would schedule nothing, in vLLM as in kvproof).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Optional
+
+from kvproof.impl.workload import Workload
+from kvproof.planner.memory import PoolPlan, largest_request, table_bytes_per_gpu
+from kvproof.planner.run import ConfigReport, RunOptions, _per_layout_group, config_layout
+from kvproof.spec.layout import LayoutConfig
+
+MISSING = "--engine vllm needs vLLM 0.33.0; install it with: pip install -r requirements/vllm.txt && pip install --no-deps vllm==0.33.0"
+
+
+def require_vllm() -> None:
+    """Raise ValueError with an install hint unless vLLM's scheduler side imports. vLLM's own
+    logging is turned down to errors: the plan's stderr carries only the plan's messages."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    try:
+        import kvproof.integrations.vllm.engine_harness  # noqa: F401  (sets VLLM_TARGET_DEVICE first)
+    except Exception:  # ImportError, or a broken install failing inside vLLM's own imports
+        raise ValueError(MISSING) from None
+
+
+def run_config_vllm(
+    workload: Workload,
+    base: LayoutConfig,
+    dcp: int,
+    pool: PoolPlan,
+    kv_memory_bytes: Optional[int],
+    options: RunOptions,
+    on_request_done: Optional[Callable[[], None]] = None,
+) -> ConfigReport:
+    """Replay ``workload`` at ``dcp`` in ``pool`` through vLLM's Scheduler. Raises ValueError
+    when vLLM refuses the configuration or cannot schedule a request in the pool."""
+    from kvproof.integrations.vllm.engine_harness import EngineHarness, HarnessStalled
+
+    layout = config_layout(base, dcp, pool)
+    expanded = tuple(g.group for g in layout.groups)
+    fits = largest_request(expanded, dcp, pool.num_blocks - 1, base.max_model_len, options.max_num_batched_tokens)
+    harness = EngineHarness(
+        layout, pool.num_blocks, max_num_batched_tokens=options.max_num_batched_tokens,
+        max_num_seqs=min(options.max_num_seqs, options.max_num_batched_tokens), use_eagle=options.use_eagle,
+    )
+    started = time.perf_counter()
+    prompt_len: dict[str, int] = {}
+    prefill = 0
+    source = workload.requests()
+    upcoming = next(source, None)
+    try:
+        while upcoming is not None or harness.has_unfinished():
+            if upcoming is not None and not harness.has_unfinished():
+                harness.step_count = max(harness.step_count, upcoming.arrival - 1)  # skip idle steps
+            batch = []
+            while upcoming is not None and upcoming.arrival <= harness.step_count + 1:
+                batch.append(upcoming)
+                prompt_len[upcoming.id] = len(upcoming.prompt)
+                upcoming = next(source, None)
+            if batch:
+                harness.add_trace(batch)
+            record = harness.step()
+            for rid, start, n in record.chunks:
+                p = prompt_len[rid]
+                if start < p:
+                    prefill += min(start + n, p) - start
+            for rid in record.finished:
+                prompt_len.pop(rid, None)
+                if on_request_done is not None:
+                    on_request_done()
+    except HarnessStalled as e:
+        raise ValueError(f"vLLM at DCP {dcp}: {e}") from None
+    except (AssertionError, RuntimeError) as e:  # vLLM refusing the configuration deep inside
+        raise ValueError(f"vLLM at DCP {dcp} failed: {type(e).__name__}: {e}") from None
+    result = harness.result()
+    cached = result.num_cached_tokens
+    return ConfigReport(
+        dcp=dcp,
+        kv_memory_bytes=kv_memory_bytes,
+        num_blocks=pool.num_blocks,
+        block_bytes=pool.block_bytes,
+        hash_block_size=layout.hash_block_size,
+        cache_hit_alignment=harness.kv_cache_config.cache_hit_alignment_tokens,
+        requests=len(result.num_prompt_tokens),
+        prompt_tokens=sum(result.num_prompt_tokens.values()),
+        cached_tokens=sum(cached.values()),
+        requests_with_hit=sum(1 for n in cached.values() if n > 0),
+        prefill_tokens=prefill,
+        cow_copies=result.copies,
+        evictions=result.evictions,
+        preemptions=result.preemptions,
+        steps=harness.step_count,
+        attention_cached_tokens=None,
+        peak_blocks_per_group=None,
+        table_bytes_per_group=_per_layout_group(table_bytes_per_gpu(layout, options.max_num_seqs), pool),
+        largest_request=fits,
+        violations=[],
+        seconds=time.perf_counter() - started,
+        engine="vllm",
+        notes=list(result.disagreements),
+    )

@@ -1,0 +1,208 @@
+"""``kvproof plan`` end to end on small workloads: its numbers against a direct replay, the
+built-in workload, the JSON shape, and bad input (one line, exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from kvproof.cli.main import main
+from kvproof.impl.mooncake import iter_mooncake, to_trace_request
+from kvproof.impl.replay import replay
+from kvproof.impl.trace import read_trace
+from kvproof.planner.memory import ModelMemory, plan_pool
+from kvproof.planner.run import config_layout
+from kvproof.spec.groups import CacheGroup, GroupKind
+from kvproof.spec.layout import LayoutConfig, resolve_layout
+
+SMALL = ["--group", "full_attention:128", "--group", "mamba:256", "--max-model-len", "8192", "--no-progress", "--jobs", "1"]
+
+
+def run_plan(capsys, *argv):
+    code = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def mooncake_trace(tmp_path):
+    """Multi-turn chat in Mooncake's form: conversations that extend earlier prompts (at most 8
+    ids of 512 tokens), several sharing a system prefix."""
+    rng = random.Random(7)
+    lines, chains, next_id = [], [], 1000
+    for i in range(40):
+        base = rng.choice(chains) if chains else []
+        if rng.random() < 0.6 and 0 < len(base) <= 5:
+            ids = list(base)
+        else:
+            ids = [rng.randrange(3)]
+        extra = rng.randint(1, 3)
+        ids += list(range(next_id, next_id + extra))
+        next_id += extra
+        chains.append(ids)
+        n_in = 512 * (len(ids) - 1) + rng.randint(1, 512)
+        lines.append({"timestamp": 40 * i, "input_length": n_in, "output_length": rng.randint(1, 20), "hash_ids": ids})
+    path = tmp_path / "mc.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(path)
+
+
+def direct(trace, groups, dcp, num_blocks, budget=8192, max_len=8192):
+    layout = resolve_layout(LayoutConfig(groups, dcp=dcp, max_model_len=max_len))
+    result = replay(trace, layout, num_blocks, budget, oracle=False)
+    assert result.violations == []
+    reqs = result.requests
+    return {
+        "cached_tokens": sum(r.num_cached_tokens for r in reqs),
+        "prompt_tokens": sum(r.num_prompt_tokens for r in reqs),
+        "requests_with_hit": sum(1 for r in reqs if r.num_cached_tokens > 0),
+        "cow_copies": result.cow_copies,
+        "evictions": result.evictions,
+        "preemptions": result.preemptions,
+        "requests": len(reqs),
+        "no_preemption_prefill": sum(r.num_prompt_tokens - r.num_cached_tokens for r in reqs),
+    }
+
+
+@pytest.mark.parametrize("num_blocks", ["600", "120"])
+def test_numbers_match_a_direct_replay_of_a_mooncake_trace(plan_json, mooncake_trace, num_blocks):
+    step_ms = 20.0
+    data = plan_json("--trace", mooncake_trace, *SMALL, "--dcp", "1,2,4", "--num-blocks", num_blocks, "--step-ms", str(step_ms))
+    trace = [to_trace_request(r, math.floor(r.timestamp_ms / step_ms)) for r in iter_mooncake(mooncake_trace)]
+    groups = (CacheGroup(GroupKind.FULL_ATTENTION, 128), CacheGroup(GroupKind.MAMBA, 256))
+    assert [c["dcp"] for c in data["configs"]] == [1, 2, 4]
+    evicted = 0
+    for c in data["configs"]:
+        want = direct(trace, groups, c["dcp"], int(num_blocks))
+        for key in ("cached_tokens", "prompt_tokens", "requests_with_hit", "cow_copies", "evictions", "preemptions", "requests"):
+            assert c[key] == want[key], (c["dcp"], key)
+        assert c["hit_rate"] == pytest.approx(want["cached_tokens"] / want["prompt_tokens"], abs=1e-6)
+        if not want["preemptions"]:
+            assert c["prefill_tokens"] == want["no_preemption_prefill"]
+        assert c["violations"] == [] and c["num_blocks"] == int(num_blocks)
+        assert c["cached_tokens"] > 0 and c["attention_hit_rate"] >= c["hit_rate"]
+        evicted += c["evictions"]
+    assert num_blocks != "120" or evicted > 0  # the small pool is under pressure
+
+
+def test_memory_sized_pool_replays_vllm_groups(capsys, tmp_path):
+    path = tmp_path / "kv.jsonl"
+    shared = list(range(100))
+    path.write_text("".join(
+        json.dumps({"id": f"r{i}", "prompt": shared + [1000 + i] * (i + 1), "output": [5, 6], "arrival": 3 * i}) + "\n"
+        for i in range(12)
+    ))
+    argv = ["--trace", str(path), "--group", "full_attention:16", "--group", "mamba:32", "--max-model-len", "8192",
+            "--no-progress", "--jobs", "1", "--dcp", "2", "--bytes-per-token", "256", "--bytes-per-state", "6000",
+            "--layers", "2,6", "--kv-memory-gib", "0.0005", "--json"]
+    code, out, err = run_plan(capsys, *argv)
+    assert code == 0, err
+    (c,) = json.loads(out)["configs"]
+    base = LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, 16), CacheGroup(GroupKind.MAMBA, 32)), max_model_len=8192)
+    pool = plan_pool(resolve_layout(base), ModelMemory((2, 6), 256, 6000), kv_memory_bytes=int(0.0005 * 2**30))
+    assert pool.vllm_groups == (1, 3) and c["num_blocks"] == pool.num_blocks and c["block_bytes"] == 2 * 6000
+    layout = config_layout(base, 2, pool)
+    assert len(layout.groups) == 4
+    result = replay(read_trace(str(path)), layout, pool.num_blocks, 8192, oracle=False)
+    assert c["cached_tokens"] == sum(r.num_cached_tokens for r in result.requests) > 0
+    assert c["evictions"] == result.evictions
+
+
+def test_builtin_workload_and_json_shape(plan_json):
+    data = plan_json("--limit", "40")
+    assert data["workload"]["requests"] == 40 and "Mooncake" in data["workload"]["description"]
+    assert [c["dcp"] for c in data["configs"]] == [1, 2, 4, 8]
+    keys = {"dcp", "num_blocks", "hit_rate", "requests_with_hit", "prefill_tokens", "cow_copies", "evictions",
+            "preemptions", "table_bytes_per_group", "violations"}
+    for c in data["configs"]:
+        assert keys <= set(c)
+        assert len(c["table_bytes_per_group"]) == 2 and c["largest_request"] == 262_144
+    assert data["layout"]["groups"] == ["mla:256", "mamba:256"] and data["layout"]["vllm_groups_per_group"] == [1, 3]
+    assert data["recommendation"]["best_hit_rate"]["dcp"] in (1, 2, 4, 8)
+    assert isinstance(data["diagnoses"], list)
+
+
+def test_text_report(plan_cli):
+    done = plan_cli("--limit", "20", "--dcp", "1,8", "--no-progress")
+    assert done.returncode == 0 and done.stderr == ""
+    out = done.stdout
+    assert "DCP  hit rate" in out and "recommendation: best hit rate" in out and "invariant violations: none" in out
+
+
+def test_generated_workload_and_memory_sweep(capsys):
+    argv = ["--generate", "--requests", "30", "--system-prompt-len", "40-200", "--suffix-len", "10-50",
+            "--output-len", "2-6", *SMALL, "--dcp", "1,2", "--bytes-per-token", "256", "--bytes-per-state", "4096",
+            "--layers", "1,3", "--kv-memory-gib", "0.002", "--memory-sweep", "0.0005,0.001", "--json"]
+    code, out, err = run_plan(capsys, *argv)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["workload"]["requests"] == 30
+    points = {(c["dcp"], c["kv_memory_gib"]) for c in data["memory_sweep"]}
+    assert points == {(d, round(g, 6)) for d in (1, 2) for g in (0.0005, 0.001, 0.002)}
+    by_memory = {}
+    for c in data["memory_sweep"]:
+        by_memory.setdefault(c["dcp"], []).append((c["kv_memory_gib"], c["num_blocks"]))
+    for pts in by_memory.values():
+        pts.sort()
+        assert [n for _, n in pts] == sorted(n for _, n in pts)  # more memory, more blocks
+    assert data["recommendation"]["memory_knee"]
+
+
+def test_parallel_jobs_give_the_same_numbers(plan_json, mooncake_trace):
+    argv = ["--trace", mooncake_trace, *SMALL[:-2], "--dcp", "1,2", "--num-blocks", "120"]
+    runs = []
+    for jobs in ("1", "2"):
+        data = plan_json(*argv, "--jobs", jobs)
+        runs.append([{k: v for k, v in c.items() if k != "seconds"} for c in data["configs"]])
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--trace", "/nonexistent/t.jsonl"], "cannot read trace '/nonexistent/t.jsonl'"),
+    (["--dcp", "1,x"], "DCP size 'x' in '1,x' must be an integer"),
+    (["--dcp", "3", "--group", "full_attention:16", "--group", "mamba:16", "--interleave", "5", "--num-blocks", "100"],
+     "interleave 5 does not divide block size 16"),
+    (["--group", "full_attention:16", "--group", "mamba:16"], "this layout has no memory figures"),
+    (["--num-blocks", "1"], "--num-blocks 1 must be >= 2"),
+    (["--num-blocks", "100", "--kv-memory-gib", "4"], "exclude each other"),
+    (["--layers", "12"], "1 layer count\\(s\\) for 2 cache group\\(s\\)"),
+    (["--kv-memory-gib", "0.001"], "DCP 1: 0.001 GiB per GPU make a pool of 0 block\\(s\\) \\(3.38 MiB per block\\)"),
+    (["--kv-memory-gib", "nan"], "KV memory nan GiB must be a positive finite number"),
+    (["--num-blocks", "100", "--memory-sweep"], "--memory-sweep sizes pools from KV memory"),
+    (["--kv-memory-gib", "0.02", "--limit", "50"], "holds a request of at most"),
+    (["--generate", "--trace", "x.jsonl"], "--generate and --trace exclude each other"),
+    (["--generate", "--suffix-len", "9-x"], "suffix length '9-x' must be LO-HI"),
+    (["--plot", "out.txt"], "plot file 'out.txt' must end in .png"),
+    (["--plot", "/nonexistent/dir/p.png"], "folder '/nonexistent/dir' is missing"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = run_plan(capsys, *argv, "--no-progress", "--jobs", "1")
+    assert code == 2 and out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvproof plan: error: "), err
+    assert __import__("re").search(message, lines[0]), lines[0]
+
+
+def test_malformed_line_is_named(capsys, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"id": "a", "prompt": [1, 2]}\n{"id": "b", "prompt": [1, -2]}\n')
+    code, _, err = run_plan(capsys, "--trace", str(path), *SMALL, "--num-blocks", "50")
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"kvproof plan: error: {path}: line 2") and "'prompt'" in err
+
+
+def test_violations_exit_1(capsys, mooncake_trace, monkeypatch):
+    from kvproof.impl.coordinator import Hit, HybridCoordinator
+
+    real = HybridCoordinator.find_longest_hit
+
+    def off_grid(self, request, bound):  # a joint hit one token off the hit grid
+        hit = real(self, request, bound)
+        return Hit(hit.num_tokens + 1, hit.blocks) if hit.num_tokens else hit
+
+    monkeypatch.setattr(HybridCoordinator, "find_longest_hit", off_grid)
+    code, out, err = run_plan(capsys, "--trace", mooncake_trace, *SMALL, "--dcp", "1", "--num-blocks", "600")
+    assert code == 1 and "INV-HIT-BOUND" in out and err == "kvproof plan: 1 invariant violation(s)\n"

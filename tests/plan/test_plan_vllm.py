@@ -1,0 +1,48 @@
+"""``kvproof plan --engine vllm``: vLLM 0.33.0's own scheduler beside kvproof, its hits equal to
+the vLLM harness run directly on the same trace (marker vllm)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+from kvproof.impl.trace import read_trace  # noqa: E402
+from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
+from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
+
+
+def test_vllm_rows_match_the_harness(tmp_path, plan_cli):
+    from kvproof.integrations.vllm.engine_harness import EngineHarness
+
+    shared = list(range(300))
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(
+        json.dumps({"id": f"r{i}", "prompt": shared[: 100 + 40 * i] + [5000 + i] * 7, "output": [9000 + i, 9100 + i],
+                    "arrival": 1 + 6 * i + (1000 if i == 4 else 0)}) + "\n"
+        for i in range(6)
+    ))
+    argv = ["--trace", str(path), "--group", "full_attention:16", "--group", "mamba:32", "--max-model-len", "2048",
+            "--dcp", "1,2", "--num-blocks", "300", "--engine", "vllm", "--json", "--no-progress"]
+    done = plan_cli(*argv)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    data = json.loads(done.stdout)
+    assert [c["engine"] for c in data["configs"]] == ["kvproof", "kvproof"]
+    assert [(c["engine"], c["dcp"]) for c in data["vllm_configs"]] == [("vllm", 1), ("vllm", 2)]
+    for c in data["vllm_configs"]:
+        layout = resolve_layout(LayoutConfig(
+            (CacheGroup(GroupKind.FULL_ATTENTION, 16), CacheGroup(GroupKind.MAMBA, 32)), dcp=c["dcp"], max_model_len=2048))
+        result = EngineHarness(layout, 300, max_num_batched_tokens=8192, max_num_seqs=256).run(read_trace(str(path)))
+        assert c["cached_tokens"] == sum(result.num_cached_tokens.values()) > 0
+        assert c["requests_with_hit"] == sum(1 for n in result.num_cached_tokens.values() if n)
+        assert (c["cow_copies"], c["evictions"], c["preemptions"]) == (result.copies, result.evictions, result.preemptions)
+        assert c["prefill_tokens"] == sum(n for step in result.steps for rid, start, n in step.chunks
+                                          if start < result.num_prompt_tokens[rid])
+
+
+def test_vllm_engine_refuses_what_vllm_cannot_run(tmp_path, plan_cli):
+    done = plan_cli("--limit", "5", "--engine", "vllm", "--no-partial-hash-hits", "--no-progress")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "always allows partial hash hits" in done.stderr

@@ -1,0 +1,94 @@
+"""``--plot``: a valid PNG with the expected axes and series, written whole or not at all."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from kvproof.cli.main import main  # noqa: E402
+from kvproof.planner.plot import MISSING, build_figure  # noqa: E402
+from kvproof.planner.run import ConfigReport  # noqa: E402
+
+
+def report(dcp: int, hit: float, gib: float = 1.0) -> ConfigReport:
+    return ConfigReport(
+        dcp=dcp, kv_memory_bytes=int(gib * 2**30), num_blocks=1000, block_bytes=2**20, hash_block_size=16,
+        cache_hit_alignment=16, requests=10, prompt_tokens=1000, cached_tokens=int(1000 * hit), requests_with_hit=5,
+        prefill_tokens=900, cow_copies=0, evictions=0, preemptions=0, steps=10,
+        attention_cached_tokens=int(1000 * hit) + 50, peak_blocks_per_group=None, table_bytes_per_group=[4096, 8192],
+        largest_request=4096, violations=[], seconds=0.1,
+    )
+
+
+def series(ax) -> dict[str, list]:
+    return {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+
+
+def test_figure_axes_and_series():
+    reports = [report(1, 0.2), report(2, 0.15)]
+    sweep = [report(1, 0.1, 0.5), report(1, 0.2), report(2, 0.12, 0.5), report(2, 0.15)]
+    fig = build_figure(reports, sweep, "title")
+    hit, memory, capacity = fig.axes
+    assert (hit.get_xlabel(), hit.get_title()) == ("DCP size", "hit rate vs DCP size")
+    assert series(hit) == {"hit rate": [20.0, 15.0], "attention groups alone": [25.0, 20.0]}
+    assert list(hit.get_lines()[0].get_xdata()) == [1, 2]
+    assert (memory.get_ylabel(), set(series(memory))) == ("GiB per GPU", {"KV pool", "block tables"})
+    assert capacity.get_xlabel() == "KV memory per GPU (GiB)" and capacity.get_title() == "hit rate vs KV memory"
+    assert series(capacity) == {"DCP 1": [10.0, 20.0], "DCP 2": [12.0, 15.0]}
+    assert len(build_figure(reports, [], "t").axes) == 2  # no sweep, no third panel
+
+
+def png_size(path) -> tuple[int, int]:
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and data.endswith(b"IEND\xaeB`\x82")
+    return struct.unpack(">II", data[16:24])
+
+
+def test_plot_file_from_the_cli(capsys, tmp_path):
+    out = tmp_path / "plan.png"
+    code = main(["plan", "--limit", "15", "--dcp", "1,2", "--memory-sweep", "10", "--plot", str(out), "--no-progress", "--jobs", "1"])
+    assert code == 0, capsys.readouterr().err
+    width, height = png_size(out)
+    assert width > 1000 and height > 300  # three panels side by side
+    assert sorted(os.listdir(tmp_path)) == ["plan.png"]
+
+
+def test_failed_save_leaves_nothing(capsys, tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    def broken(self, f, **kw):
+        f.write(b"\x89PNG half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", broken)
+    out = tmp_path / "plan.png"
+    code = main(["plan", "--limit", "5", "--dcp", "1", "--plot", str(out), "--no-progress", "--jobs", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip() == f"kvproof plan: error: cannot write plot file '{out}': No space left on device"
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_old_plot_survives_a_failed_run(capsys, tmp_path):
+    out = tmp_path / "plan.png"
+    out.write_bytes(b"old")
+    assert main(["plan", "--limit", "5", "--kv-memory-gib", "0.001", "--plot", str(out), "--no-progress"]) == 2
+    assert out.read_bytes() == b"old" and os.listdir(tmp_path) == ["plan.png"]
+
+
+def test_missing_matplotlib_is_one_line(capsys, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert main(["plan", "--plot", "x.png", "--no-progress"]) == 2
+    assert capsys.readouterr().err == f"kvproof plan: error: {MISSING}\n"
