@@ -213,7 +213,7 @@ class Recorder(StepHook):
     def scheduled(self, harness, step, output):
         self.calls.append(("scheduled", step, dict(output.num_scheduled_tokens)))
 
-    def updated(self, harness, record, output):
+    def updated(self, harness, record, output, runner_output):
         self.calls.append(("updated", record.step, {rid: n for rid, _, n in record.chunks}))
 
 
