@@ -187,12 +187,11 @@ def test_the_plugin_installs_every_check_through_vllms_plugin_loader():
 
 
 def test_without_the_switch_the_installed_plugin_changes_nothing():
-    """Nothing of vLLM is wrapped; what still stops this run is the staging executor's own content
-    oracle (it always checks: that is the executor's job), in the same step, when r1 reads the KV
-    its copy never delivered."""
+    """Nothing of vLLM is wrapped; what still stops this run is the staging executor's own check of
+    the copy batch it is handed (the executor always checks: that is its job)."""
     report = _run_fresh(_INSTALLED)
     assert not report["installed"] and not report["scheduler"] and not report["tables"] and not report["checker"]
-    assert report["violation"].startswith("INV-CONTENT-KV: step 4, request 'r1-")
+    assert report["violation"].startswith("INV-COW-SOURCE-READY: step 4: copy 5 -> 7 writes block 7, which another copy")
 
 
 _UNTESTED = textwrap.dedent("""
