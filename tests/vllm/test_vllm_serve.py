@@ -153,15 +153,26 @@ class Junctions(StepHook):
                 self.junction[rid] = harness.scheduler.requests[rid].shared_prefix_boundary
 
 
-def name_difference(rid, vllm_hit, ours, trace, junctions, mamba_block):
-    """The rule behind vLLM caching more than kvproof for ``rid``, or None: vLLM's hit is the
-    state of an earlier request whose first chunk vLLM stopped at its shared-prefix junction
-    (block-floored) -- the checkpoint kvproof does not take yet (issue 10)."""
-    earlier = {t.id: t for t in trace[: [t.id for t in trace].index(rid)]}
-    for other in earlier:
-        j = junctions.junction.get(other, 0)
-        if j and junctions.first_chunk_end.get(other) == vllm_hit == j - j % mamba_block:
-            return f"{rid}: vLLM {vllm_hit}, kvproof {ours} -- vLLM checkpointed {other}'s shared-prefix junction"
+def name_difference(rid, vllm_hit, ours, trace, junctions, layout):
+    """The rule behind vLLM caching more than kvproof for ``rid``, or None. Two are known:
+
+    * vLLM's hit is the state of an earlier request whose first chunk vLLM stopped at its
+      shared-prefix junction (block-floored): a checkpoint kvproof does not take yet (issue 10);
+    * vLLM's hit is an earlier request's prompt-tail partial key, which vLLM keeps as an alias
+      after the block fills up (reference 10.2) and kvproof retires (docs/coordinator.md).
+    """
+    index = [t.id for t in trace].index(rid)
+    prompt = trace[index].prompt
+    mamba_block, hash_block = layout.groups[0].group.block_size, layout.hash_block_size
+    for other in trace[:index]:
+        j = junctions.junction.get(other.id, 0)
+        if j and junctions.first_chunk_end.get(other.id) == vllm_hit == j - j % mamba_block:
+            return f"{rid}: vLLM {vllm_hit}, kvproof {ours} -- vLLM checkpointed {other.id}'s shared-prefix junction"
+    for other in trace[:index]:
+        tail = (len(other.prompt) - 1) // hash_block * hash_block
+        if tail == vllm_hit and other.prompt[:tail] == prompt[:tail]:
+            return (f"{rid}: vLLM {vllm_hit}, kvproof {ours} -- vLLM hit {other.id}'s prompt-tail key, kept as an "
+                    "alias after its block filled")
     return None
 
 
@@ -208,7 +219,7 @@ def test_vllm_serve_with_checks(dcp, num_chats, turns):
     assert ours.violations == []
     mine = {r.request_id: r.num_cached_tokens for r in ours.requests}
     behind = [rid for rid in served if mine[rid] < served[rid]]
-    named = [name_difference(rid, served[rid], mine[rid], trace, junctions, BLOCK) for rid in behind]
+    named = [name_difference(rid, served[rid], mine[rid], trace, junctions, layout) for rid in behind]
     print(f"\nDCP {dcp}: {len(trace)} requests, vLLM cached {sum(served.values())} tokens, kvproof "
           f"{sum(mine.values())}; kvproof behind on {len(behind)}, ahead on {sum(mine[r] > served[r] for r in served)}")
     for line in named:
