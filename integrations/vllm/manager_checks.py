@@ -39,11 +39,17 @@ from __future__ import annotations
 from typing import Optional
 
 from kvproof.integrations.vllm.violations import ViolationSink
-from kvproof.spec.arith import cdiv
+from kvproof.spec import arith, placement
 from kvproof.spec.groups import GroupKind, MambaCacheMode
 from kvproof.spec.layout import Layout
 
 _KV, _STATE = 0, 1
+
+# The spec's own functions without their icontract wrappers: on this path (every allocation of
+# every step) the contract machinery costs more than the arithmetic, and the spec's tests check
+# the contracts themselves.
+cdiv = arith.cdiv.__wrapped__
+table_index = placement.table_index.__wrapped__
 
 
 class ManagerChecker:
@@ -258,7 +264,7 @@ class ManagerChecker:
         the step begins (directly, or as the destination of one of this step's copies)."""
         if not self.align_state[g] or start == 0:
             return
-        idx = cdiv(start, self.block[g]) - 1
+        idx = table_index(start - 1, self.block[g], 1, False)  # where the state after `start` tokens lives
         blk = row[idx].block_id if idx < len(row) else None
         source = self._copy_src.get(blk, blk)
         held = self._state.get(source)
@@ -275,7 +281,7 @@ class ManagerChecker:
         block = self.block[g]
         if self.state_group[g]:
             if self.align_state[g]:
-                writes.append((_STATE, row[cdiv(end, block) - 1].block_id, end, 0))
+                writes.append((_STATE, row[table_index(end - 1, block, 1, False)].block_id, end, 0))
             return
         for j in range(start // block, (end - 1) // block + 1):
             b = row[j]
