@@ -92,12 +92,14 @@ class VllmHit:
     """What ``lookup`` returns: kvproof's ``Hit`` shape (``num_tokens``) carrying vLLM's
     ``KVCacheBlocks`` and the shared-prefix boundary that ``get_computed_blocks`` reports."""
 
-    __slots__ = ("num_tokens", "blocks", "shared_prefix_boundary")
+    __slots__ = ("num_tokens", "blocks", "shared_prefix_boundary", "junctions")
 
     def __init__(self, num_tokens: int, blocks: KVCacheBlocks, shared_prefix_boundary: int) -> None:
         self.num_tokens = num_tokens
         self.blocks = blocks
         self.shared_prefix_boundary = shared_prefix_boundary
+        # kvproof's Scheduler stops prefill chunks at the junctions a hit reports; vLLM's at its one.
+        self.junctions = (shared_prefix_boundary,) if shared_prefix_boundary else ()
 
     def __repr__(self) -> str:
         return f"VllmHit({self.num_tokens})"
@@ -223,6 +225,10 @@ class VllmManagerAdapter:
         blocks, num_hit, boundary = self.vkv.get_computed_blocks(vreq)
         vreq.shared_prefix_boundary = boundary
         return VllmHit(num_hit, blocks, boundary)
+
+    def cheaper_hits(self, request: Request, hit: VllmHit):
+        """None: vLLM's scheduler has no fallback; a request that cannot afford its hit waits."""
+        return iter(())
 
     def allocate_slots(self, request: Request, num_new_tokens: int, hit: Optional[VllmHit] = None):
         """vLLM's ``allocate_slots`` as ``Scheduler.schedule`` calls it: for a running request

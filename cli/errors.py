@@ -1,4 +1,4 @@
-"""Bad input as one clean line and exit status 2."""
+"""Exit statuses, and bad input as one clean line on stderr with status 2."""
 
 from __future__ import annotations
 
@@ -8,19 +8,52 @@ import sys
 EXIT_OK = 0
 EXIT_PROPERTY_FAILED = 1
 EXIT_BAD_INPUT = 2
+#: A bug in kvproof (an exception no command expected): one line, this status (EX_SOFTWARE).
+EXIT_INTERNAL_ERROR = 70
+#: Ended by a signal (Ctrl-C: SIGINT, or SIGTERM): 128 + the signal number, as shells report it.
+EXIT_SIGNAL_BASE = 128
 
 
-class UsageError(Exception):
-    """Bad command-line input; the message names the value and what was expected."""
+def one_line(message: str) -> str:
+    """``message`` on a single line (a value quoted in it may hold line breaks)."""
+    return " ".join(str(message).split("\n")).replace("\r", " ")
 
 
-class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse that reports bad input as a single line (no usage dump) with status 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+def print_error(prog: str, message: str) -> None:
+    """``PROG: error: MESSAGE`` as one line on stderr; a closed stderr is ignored."""
+    try:
+        print(f"{prog}: error: {one_line(message)}", file=sys.stderr, flush=True)
+    except (BrokenPipeError, OSError, ValueError):
+        pass
 
 
 def fail_bad_input(prog: str, message: str) -> int:
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    print_error(prog, message)
     return EXIT_BAD_INPUT
+
+
+class _StoreOnce(argparse._StoreAction):
+    """A single-valued option given twice is refused (``--dcp 2 --dcp 4``), not "last wins"."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault("_given_once", {})
+        if self.dest in given:
+            raise argparse.ArgumentError(self, f"given twice ({given[self.dest]!r} and {values!r}); expected it once")
+        given[self.dest] = values
+        setattr(namespace, self.dest, values)
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse that reports bad input as a single line (no usage dump) with status 2, and
+    refuses a repeated single-valued option. Subcommand parsers are of this class too, so
+    every subcommand gets both."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Argument groups share these registries, so their options get it as well.
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print_error(self.prog, message)
+        self.exit(EXIT_BAD_INPUT)

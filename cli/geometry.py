@@ -6,7 +6,7 @@ import argparse
 import json
 
 from kvproof.cli.errors import EXIT_OK, fail_bad_input
-from kvproof.cli.layout_args import add_layout_arguments, layout_config_from_args
+from kvproof.cli.layout_args import add_layout_arguments, given_layout_flags, layout_config_from_args
 from kvproof.cli.presets import PRESETS
 from kvproof.spec.layout import Layout, resolve_layout
 
@@ -15,10 +15,10 @@ HELP = "show block sizes, hash granularity, partial-hit rule and block-table wid
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("geometry", help=HELP, description=HELP)
-    add_layout_arguments(p)
+    layout_flags = add_layout_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--list-presets", action="store_true", help="list the named layouts and exit")
-    p.set_defaults(run=run)
+    p.add_argument("--list-presets", action="store_true", help="list the named layouts and exit (no layout flags)")
+    p.set_defaults(run=run, layout_flags=layout_flags)
 
 
 def layout_to_json(layout: Layout) -> dict:
@@ -89,8 +89,14 @@ def layout_to_text(layout: Layout) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.list_presets:
-        for name, p in sorted(PRESETS.items()):
-            print(f"{name:12}  {p.summary}")
+        given = given_layout_flags(args, args.layout_flags)
+        if given:  # they would be ignored: say so rather than list presets as if they were read
+            return fail_bad_input("kvproof geometry", f"--list-presets takes no layout flags (got {', '.join(given)})")
+        if args.json:
+            print(json.dumps({name: p.summary for name, p in sorted(PRESETS.items())}, indent=2))
+        else:
+            for name, p in sorted(PRESETS.items()):
+                print(f"{name:12}  {p.summary}")
         return EXIT_OK
     try:
         layout = resolve_layout(layout_config_from_args(args))

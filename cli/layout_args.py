@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 
 from kvproof.cli.presets import DEFAULT_PRESET, PRESETS
+from kvproof.cli.values import TOKEN_LIMIT, any_decimal, check_at_most, parse_decimal, speculative_count, token_count
 from kvproof.spec.groups import KIND_NAMES, MAMBA_MODE_NAMES, CacheGroup, GroupKind, parse_kind, parse_mamba_mode
 from kvproof.spec.layout import LayoutConfig
 
@@ -17,49 +18,73 @@ def parse_group(text: str) -> CacheGroup:
     if len(parts) < 2:
         raise ValueError(f"group {text!r} must look like KIND:BLOCK_SIZE, e.g. full_attention:16")
     kind = parse_kind(parts[0])
-    try:
-        block_size = int(parts[1])
-    except ValueError:
-        raise ValueError(f"block size {parts[1]!r} in group {text!r} must be a positive integer") from None
+    block_size = _size(parts[1], "block size", text)
     sharded, window = None, None
+    seen: set[str] = set()
     for opt in parts[2:]:
+        name = opt.partition("=")[0] if opt.startswith("window=") else opt
+        if name in seen or (name in ("replicated", "sharded") and seen & {"replicated", "sharded"}):
+            raise ValueError(f"option {opt!r} in group {text!r} repeats or contradicts an earlier one; expected each once")
+        seen.add(name)
         if opt in ("replicated", "sharded"):
             sharded = opt == "sharded"
         elif opt.startswith("window="):
-            try:
-                window = int(opt.removeprefix("window="))
-            except ValueError:
-                raise ValueError(f"window {opt!r} in group {text!r} must be window=N with N a positive integer") from None
+            window = _size(opt.removeprefix("window="), "window", text)
         else:
             raise ValueError(f"unknown option {opt!r} in group {text!r}; expected replicated, sharded or window=N")
     if kind is GroupKind.SLIDING_WINDOW and window is None:
         window = 4 * block_size
-    return CacheGroup(kind, block_size, dcp_sharded=sharded, sliding_window=window)
+    try:
+        return CacheGroup(kind, block_size, dcp_sharded=sharded, sliding_window=window)
+    except ValueError as e:
+        raise ValueError(f"group {text!r}: {e}") from None
 
 
-def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+def _size(value: str, name: str, group: str) -> int:
+    """A token count inside ``--group``: decimal, at most TOKEN_LIMIT (lower bound: CacheGroup)."""
+    try:
+        return check_at_most(parse_decimal(value, name), TOKEN_LIMIT, name,
+                             "2**30 tokens, the longest context kvproof accepts")
+    except ValueError as e:
+        raise ValueError(f"group {group!r}: {e}") from None
+
+
+def add_layout_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Add the layout flags; returns their actions (to tell which ones were given)."""
     g = parser.add_argument_group("cache layout")
-    g.add_argument(
+    actions: list[argparse.Action] = []
+
+    def add(*names: str, **kwargs) -> None:
+        actions.append(g.add_argument(*names, **kwargs))
+
+    add(
         "--group", action="append", metavar="KIND:BLOCK_SIZE",
         help=f"a cache group (repeatable); KIND one of {', '.join(KIND_NAMES)}; options "
         "':replicated' / ':sharded' and ':window=N' may follow",
     )
-    g.add_argument("--preset", choices=sorted(PRESETS), help=f"a named layout (default {DEFAULT_PRESET} when no --group)")
-    g.add_argument("--dcp", type=int, help="decode context parallel size (ranks sharding attention KV)")
-    g.add_argument("--max-model-len", type=int, help="longest request, in tokens")
-    g.add_argument("--hash-block-size", type=int, help="hash granularity H (default: derived)")
-    g.add_argument("--mamba-cache-mode", choices=MAMBA_MODE_NAMES, help="cache mode of every Mamba group")
-    g.add_argument("--num-speculative-blocks", type=int, help="speculative state blocks of every Mamba group")
-    g.add_argument("--interleave", type=int, default=1, help="DCP interleave size I (tokens per rank run)")
-    g.add_argument(
+    add("--preset", choices=sorted(PRESETS),
+        help=f"a named layout (default {DEFAULT_PRESET} when no --group; not combined with --group)")
+    add("--dcp", type=any_decimal, help="decode context parallel size (ranks sharding attention KV)")
+    add("--max-model-len", type=token_count, help="longest request, in tokens")
+    add("--hash-block-size", type=token_count, help="hash granularity H (default: derived)")
+    add("--mamba-cache-mode", choices=MAMBA_MODE_NAMES, help="cache mode of every Mamba group")
+    add("--num-speculative-blocks", type=speculative_count, help="speculative state blocks of every Mamba group")
+    add("--interleave", type=token_count, default=1, help="DCP interleave size I (tokens per rank run)")
+    add(
         "--retention-interval", default="0", metavar="{none,0,K}",
         help="which Mamba states stay cached: 'none' every chunk end; 0 (default, as in vLLM) replay "
         "boundaries and shared-prefix junctions only; K also one per K-token segment",
     )
-    g.add_argument(
+    add(
         "--shared-prefix-checkpoint", action="store_true",
         help="end a prefill chunk exactly at a shared-prefix junction (default: at the Mamba block below it)",
     )
+    return actions
+
+
+def given_layout_flags(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:
+    """The layout flags ``args`` sets to something other than their defaults."""
+    return [a.option_strings[0] for a in actions if getattr(args, a.dest) != a.default]
 
 
 def parse_retention(text: str) -> int | None:
@@ -68,11 +93,17 @@ def parse_retention(text: str) -> int | None:
         return None
     if not text.isascii() or not text.isdigit():
         raise ValueError(f"retention interval {text!r} must be 'none' or a non-negative integer")
-    return int(text)
+    return check_at_most(parse_decimal(text, "retention interval"), TOKEN_LIMIT, "retention interval",
+                         "2**30 tokens, the longest context kvproof accepts")
 
 
 def layout_config_from_args(args: argparse.Namespace, allow_partial_hash_hits: bool = True) -> LayoutConfig:
     """Build the layout: a preset's values, overridden by explicit flags. ValueError if bad."""
+    if args.preset and args.group:
+        raise ValueError(
+            f"--group cannot be combined with --preset {args.preset}: a preset fixes its groups; drop --preset "
+            "to give the groups yourself, or drop --group (--dcp and --max-model-len override a preset's)"
+        )
     preset = PRESETS[args.preset or DEFAULT_PRESET] if (args.preset or not args.group) else None
     groups = tuple(parse_group(t) for t in args.group) if args.group else preset.groups
     dcp = args.dcp if args.dcp is not None else (preset.dcp if preset else 1)
@@ -86,6 +117,13 @@ def layout_config_from_args(args: argparse.Namespace, allow_partial_hash_hits: b
         overrides["num_speculative_blocks"] = args.num_speculative_blocks
     if overrides:
         groups = tuple(dataclasses.replace(g, **overrides) if g.kind is GroupKind.MAMBA else g for g in groups)
+    if isinstance(dcp, int) and 1 <= dcp <= 1024:  # out-of-range DCP sizes are the spec's to refuse
+        for i, g in enumerate(groups):
+            if g.is_sharded and g.block_size * dcp > TOKEN_LIMIT:
+                raise ValueError(
+                    f"group {i} ({g.label}) covers {g.block_size * dcp:,} tokens per block at dcp {dcp}; expected at "
+                    f"most {TOKEN_LIMIT:,} (2**30 tokens, the longest context kvproof accepts)"
+                )
     return LayoutConfig(
         groups=groups,
         dcp=dcp,

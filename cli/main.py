@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 from kvproof import __version__
 from kvproof.cli import e2e, geometry, prove, replay
-from kvproof.cli.errors import EXIT_BAD_INPUT, EXIT_OK, OneLineArgumentParser
+from kvproof.cli.errors import EXIT_BAD_INPUT, OneLineArgumentParser, fail_bad_input
+from kvproof.cli.guard import run_command
 
 #: Subcommand modules; each has ``add_parser(subparsers)`` and sets ``run`` as a default.
 COMMANDS = (geometry, replay, prove, e2e)
@@ -22,21 +22,29 @@ def build_parser() -> OneLineArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineArgumentParser)
     for command in COMMANDS:
         command.add_parser(sub)
+    parser.set_defaults(command_names=tuple(sub.choices))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit status (argparse's own exits included: --help is 0,
+    bad flags 2). Signals, a closed stdout and unexpected errors: ``cli/guard.py``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.command is None:
-        parser.print_help()
-        return EXIT_BAD_INPUT
-    try:
+    names = parser.get_default("command_names")
+    command = next((a for a in argv if not a.startswith("-")), None)
+    prog = f"kvproof {command}" if command in names else "kvproof"
+
+    def dispatch() -> int:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            return fail_bad_input("kvproof", f"a command is required; expected one of {', '.join(names)} (see kvproof --help)")
         return args.run(args)
-    except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading: not an error
-        # Python flushes stdout again at exit; point it at /dev/null so that cannot fail too.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
+
+    try:
+        return run_command(prog, dispatch)
+    except SystemExit as e:  # --help, --version, or bad flags (already reported on one line)
+        return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -12,13 +12,14 @@ HELP = "discharge the proof obligations (z3, CrossHair, exhaustive) and the cana
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from kvproof.proofs.runner import DEFAULT_BUDGET
+    from kvproof.proofs.runner import DEFAULT_BUDGET, MAX_BUDGET
 
     p = subparsers.add_parser("prove", help=HELP, description=HELP)
     p.add_argument("--json", action="store_true", help="print a JSON list of {id, method, verdict, seconds, ...}")
     p.add_argument(
         "--budget", type=float, default=DEFAULT_BUDGET, metavar="SECONDS",
-        help=f"total time for all obligations (default {DEFAULT_BUDGET:.0f})",
+        help=f"deadline for the whole run, at most {MAX_BUDGET:.0f} (default {DEFAULT_BUDGET:.0f}); an "
+        "obligation it cuts short fails as timeout or incomplete",
     )
     p.add_argument(
         "--only", action="append", default=[], metavar="ID",
@@ -42,17 +43,22 @@ def format_results(results) -> str:
         lines += [f"counterexample {r.obligation.id}: {r.outcome.counterexample}" for r in refuted]
     broken = [r for r in results if r.failed and not r.outcome.counterexample]
     lines += [f"{r.obligation.id}: {r.outcome.verdict}: {r.outcome.detail}" for r in broken]
-    failed = sum(r.failed for r in results)
+    failed = [r.obligation.id for r in results if r.failed]
     lines.append("")
-    lines.append(f"{len(results)} obligations, {failed} failed" if failed else f"{len(results)} obligations, all as expected")
+    lines.append(
+        f"{len(results)} obligations, {len(failed)} failed: {', '.join(failed)}" if failed
+        else f"{len(results)} obligations, all as expected"
+    )
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvproof.proofs.runner import run_all, select
+    from kvproof.proofs.runner import MAX_BUDGET, run_all, select
 
-    if not args.budget > 0:
-        return fail_bad_input("kvproof prove", f"--budget {args.budget} must be a positive number of seconds")
+    if not 0 < args.budget <= MAX_BUDGET:  # also refuses nan and inf
+        return fail_bad_input(
+            "kvproof prove", f"--budget {args.budget} must be a number of seconds in (0, {MAX_BUDGET:.0f}]"
+        )
     try:
         obligations = select(args.only)
     except ValueError as e:
@@ -67,4 +73,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps([r.to_json() for r in results], indent=2))
     else:
         print(format_results(results))
-    return EXIT_PROPERTY_FAILED if any(r.failed for r in results) else EXIT_OK
+    failed = [r for r in results if r.failed]
+    for r in failed:  # stderr names each failure even when stdout is JSON
+        print(f"kvproof prove: {r.obligation.id} did not hold as expected: {r.outcome.verdict}", file=sys.stderr)
+    return EXIT_PROPERTY_FAILED if failed else EXIT_OK

@@ -10,6 +10,8 @@ import sys
 from kvproof.cli.errors import EXIT_OK, EXIT_PROPERTY_FAILED, fail_bad_input
 from kvproof.cli.geometry import format_table
 from kvproof.cli.layout_args import add_layout_arguments, layout_config_from_args
+from kvproof.cli.limits import REPLAY_BYTES_PER_BLOCK, check_memory
+from kvproof.cli.values import block_count, token_count
 
 HELP = "replay a JSON Lines request trace through the contract-checked scheduler and KV-cache manager"
 PROG = "kvproof replay"
@@ -19,8 +21,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("replay", help=HELP, description=HELP)
     p.add_argument("trace", metavar="TRACE.jsonl", help="one request per line: {id, prompt, output, arrival, cache_salt}")
     add_layout_arguments(p)
-    p.add_argument("--num-blocks", type=int, default=4096, help="blocks in the pool, the null block included (default 4096)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (default 2048)")
+    p.add_argument("--num-blocks", type=block_count, default=4096,
+                   help="blocks in the pool, the null block included (default 4096)")
+    p.add_argument("--max-num-batched-tokens", type=token_count, default=2048, help="token budget per step (default 2048)")
     p.add_argument("--eagle", action="store_true", help="EAGLE/MTP: hits drop one hash unit for the draft")
     p.add_argument("--no-partial-hash-hits", action="store_true", help="hits only on whole scheduler blocks")
     p.add_argument("--no-oracle", action="store_true", help="skip the content oracle (faster; structural checks stay on)")
@@ -33,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from kvproof.impl.replay import replay
     from kvproof.impl.scheduler import CapacityError
     from kvproof.impl.trace import read_trace
+    from kvproof.spec.capacity import check_fits_alone
     from kvproof.spec.layout import resolve_layout
 
     try:
@@ -41,7 +45,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"num_blocks {args.num_blocks} must be >= 2 (block 0 is the null block)")
         if args.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens {args.max_num_batched_tokens} must be >= 1")
+        check_memory("--num-blocks", args.num_blocks, REPLAY_BYTES_PER_BLOCK, 0, "the block pool")
         trace = read_trace(args.trace)
+        for t in trace:  # before any work: a request the pool can never hold fails here, not at step 10**5
+            check_fits_alone(layout, args.num_blocks, t.id, t.num_computed_tokens)
         result = replay(
             trace, layout, args.num_blocks, args.max_num_batched_tokens,
             use_eagle=args.eagle, oracle=not args.no_oracle, slow=args.slow,

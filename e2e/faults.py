@@ -2,12 +2,14 @@
 
 Each is a documented switch of :func:`kvproof.e2e.runner.run_e2e` (``faults=``), applied on
 every rank; with all of them off (the default) the runner is the production path. None of
-them touches kvproof's scheduler side: they break the worker exactly where real workers broke.
+them touches kvproof's scheduler side: they break the worker exactly where real workers broke
+(or, for ``rank_killed_at_step``, the process under it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +25,9 @@ class Faults:
     #: instead of ``cdiv(max_model_len, block_size)``: a long request's row overflows, which
     #: the block tables refuse before staging anything (INV-TABLE-WRITE-BOUND).
     mamba_width_divided_by_dcp: bool = False
+    #: ``(rank, step)``: that rank's process kills itself (SIGKILL) when the step arrives, as
+    #: the out-of-memory killer would -- it reports nothing; its peers lose their connection.
+    rank_killed_at_step: Optional[tuple[int, int]] = None
 
     @property
     def any(self) -> bool:

@@ -21,6 +21,20 @@ from kvproof.spec.layout import Layout
 from kvproof.spec.placement import PAD_SLOT
 
 
+def memory_shape(layout: Layout, layers: tuple[LayerSpec, ...], config: ModelConfig) -> tuple[int, int]:
+    """``(slots, page)``: the cache is ``slots`` buffers of ``[num_blocks, page]`` elements, a
+    page being the largest of one block's K and V (attention) or one state (recurrence)."""
+    h, dh = config.heads, config.head_dim
+    pages = [h * dh * dh if s.recurrent else 2 * layout.groups[s.group].group.block_size * h * dh for s in layers]
+    return 1 + max(s.slot for s in layers), max(pages)
+
+
+def bytes_per_block(layout: Layout, layers: tuple[LayerSpec, ...], config: ModelConfig) -> int:
+    """Bytes of cache memory one block id costs on each rank."""
+    slots, page = memory_shape(layout, layers, config)
+    return slots * page * DTYPE.itemsize
+
+
 class PagedCache:
     """Mutable per-rank cache memory (zeros at start; never read before written unless a
     block table or slot mapping is wrong)."""
@@ -28,10 +42,7 @@ class PagedCache:
     def __init__(self, layout: Layout, layers: tuple[LayerSpec, ...], config: ModelConfig, num_blocks: int) -> None:
         h, dh = config.heads, config.head_dim
         self.block_sizes = [g.group.block_size for g in layout.groups]  # physical, per rank
-        kv_page = lambda bs: 2 * bs * h * dh  # noqa: E731 -- K and V of one block
-        pages = [h * dh * dh if spec.recurrent else kv_page(self.block_sizes[spec.group]) for spec in layers]
-        num_slots = 1 + max(spec.slot for spec in layers)
-        page = max(pages)
+        num_slots, page = memory_shape(layout, layers, config)
         self.memory = [torch.zeros(num_blocks, page, dtype=DTYPE) for _ in range(num_slots)]
         # Per layer: (K pages, V pages) or (state blocks,), views into its slot's memory.
         self.views: list[tuple[torch.Tensor, ...]] = []

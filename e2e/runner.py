@@ -24,12 +24,14 @@ import torch
 from kvproof.e2e.dcp import SingleRank, spawn_ranks
 from kvproof.e2e.faults import Faults
 from kvproof.e2e.model import ModelConfig, TinyHybridModel, layer_specs
+from kvproof.e2e.paged_cache import bytes_per_block
 from kvproof.e2e.reference import computed_tokens, reference_logits
 from kvproof.e2e.worker import ChunkWork, Worker, WorkerStep
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
 from kvproof.impl.scheduler import Scheduler, StepPlan
 from kvproof.impl.trace import TraceRequest
+from kvproof.spec.capacity import check_fits_alone
 from kvproof.spec.layout import Layout, LayoutConfig, resolve_layout
 
 #: Served and recomputed logits must agree to this (float64; only summation order differs).
@@ -45,7 +47,7 @@ class E2EOptions:
     max_num_seqs: int = 64  # running requests, and request rows on each worker
     model: ModelConfig = ModelConfig()
     backend: str = "torch"  # block-table kernels: the torch references (Triton's interpreter is slow)
-    max_steps: int = 100_000
+    max_steps: int = 100_000  # scheduler steps that run (idle stretches before an arrival are skipped)
 
 
 @dataclasses.dataclass
@@ -82,18 +84,69 @@ def build_model(layout: Layout, config: ModelConfig) -> TinyHybridModel:
     return TinyHybridModel(config, layer_specs(layout, config.layers_per_group))
 
 
+class StepLimitError(ValueError):
+    """The run needs more scheduler steps than ``E2EOptions.max_steps`` allows (a limit of this
+    runner, not a violated invariant)."""
+
+
+#: Memory of one rank process beyond its cache and tables (torch, gloo, the model): 25.6 MB
+#: measured (PSS of forked ranks at DCP 16, docs/e2e.md "Limits"), rounded up.
+RANK_PROCESS_BYTES = 48 << 20
+#: The fork server, started once (about 300 MB resident, most of it shared with the caller).
+FORK_SERVER_BYTES = 320 << 20
+#: File descriptors per rank in the caller and per peer in each rank (pipes, gloo pairs): about
+#: 2 measured at DCP 16, taken as 3, plus a margin.
+FDS_PER_RANK, FDS_MARGIN = 3, 64
+
+
+def memory_estimate(layout: Layout, options: E2EOptions) -> tuple[int, int]:
+    """``(per rank, fixed)`` bytes of a run: each rank's cache (``num_blocks`` blocks), block
+    tables (two int32 copies of every request row) and process; plus the fork server once for
+    spawned ranks. DCP 1 runs in the caller, whose own memory is already in use."""
+    model = options.model
+    cache = options.num_blocks * bytes_per_block(layout, layer_specs(layout, model.layers_per_group), model)
+    tables = 2 * 4 * options.max_num_seqs * sum(g.table_width for g in layout.groups)
+    if layout.dcp == 1:
+        return cache + tables, 0
+    return cache + tables + RANK_PROCESS_BYTES, FORK_SERVER_BYTES
+
+
+def max_ranks_by_descriptors() -> Optional[int]:
+    """The most ranks the open-file limit allows (None where it cannot be read)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else max((soft - FDS_MARGIN) // FDS_PER_RANK, 1)
+
+
 def validate(trace: list[TraceRequest], layout: Layout, options: E2EOptions) -> None:
-    """Raise ValueError naming the bad value for input the run cannot serve."""
+    """Raise ValueError naming the bad value for input the run cannot serve: before any rank
+    starts, and in the caller's time (checks are O(requests))."""
     if options.num_blocks < 2:
         raise ValueError(f"num_blocks {options.num_blocks} must be >= 2 (block 0 is the null block)")
     if options.max_num_batched_tokens < 1:
         raise ValueError(f"max_num_batched_tokens {options.max_num_batched_tokens} must be >= 1")
     layer_specs(layout, options.model.layers_per_group)
+    most = max_ranks_by_descriptors()
+    if layout.dcp > 1 and most is not None and layout.dcp > most:
+        raise ValueError(
+            f"dcp {layout.dcp} needs about {FDS_PER_RANK * layout.dcp + FDS_MARGIN} open files (pipes and gloo "
+            f"connections), more than this process may open (ulimit -n); expected dcp <= {most}"
+        )
     KVCacheManager(layout, options.num_blocks)  # refuses what the scheduler side cannot model
     for t in trace:
-        n = len(computed_tokens(t.prompt, t.output))
+        n = t.num_computed_tokens
         if n > layout.config.max_model_len:
             raise ValueError(f"request {t.id!r} needs {n} tokens > max_model_len {layout.config.max_model_len}")
+        # Its prefill takes a step and every output after the first another one.
+        if len(t.output) > options.max_steps:
+            raise StepLimitError(
+                f"request {t.id!r} has {len(t.output):,} outputs, one step each, beyond the e2e runner's limit "
+                f"of {options.max_steps:,} scheduler steps"
+            )
+        check_fits_alone(layout, options.num_blocks, t.id, n)
 
 
 def run_e2e(
@@ -106,8 +159,9 @@ def run_e2e(
     """Serve ``trace`` on ``config.dcp`` ranks and compare with the reference.
 
     ``spawn`` None: DCP 1 runs in this process, DCP > 1 on spawned gloo ranks; True forces
-    processes even for DCP 1. Raises ValueError (bad input), CapacityError (a request needs
-    more than the pool), RankError (a spawned rank raised; its type name and message)."""
+    processes even for DCP 1. Raises ValueError (bad input; StepLimitError past
+    ``options.max_steps``), CapacityError (a request needs more than the pool), RankError (a
+    spawned rank failed: its type name and message, or how it died)."""
     layout = resolve_layout(config)
     validate(trace, layout, options)
     # The tensors are tiny: torch's intra-op thread pool only adds synchronisation (about 15x
@@ -164,14 +218,19 @@ def _schedule_and_serve(comm, trace, layout: Layout, options: E2EOptions, worker
         ))
     out = ServeOutput([], {}, 0, 0, 0, 0, 0)
     released: list[str] = []  # finished in the previous step: their rows go first
+    executed = 0
     while True:
         try:
             if not sched.has_unfinished():
                 plan = None
-            elif sched.step >= options.max_steps:
-                raise RuntimeError(f"INV-REPLAY-PROGRESS: no completion after {options.max_steps} steps")
+            elif executed >= options.max_steps:
+                raise StepLimitError(
+                    f"the run did not finish within the e2e runner's limit of {options.max_steps:,} scheduler steps"
+                )
             else:
+                _skip_idle_steps(sched)
                 plan = sched.schedule()
+                executed += 1
         except BaseException:
             comm.broadcast_object(_ABORT)  # no rank has entered the step: end them cleanly
             raise
@@ -193,6 +252,14 @@ def _schedule_and_serve(comm, trace, layout: Layout, options: E2EOptions, worker
         out.requests += len(released)
     out.steps, out.preemptions = sched.step, sched.num_preemptions
     return out
+
+
+def _skip_idle_steps(sched: Scheduler) -> None:
+    """Mutates. With nothing running or waiting, move the clock to just before the next
+    arrival: the steps in between would schedule nothing (a request arriving at step 10**6
+    costs one step, not a million)."""
+    if not sched.running and not sched.waiting and sched.pending and sched.pending[0].arrival > sched.step + 1:
+        sched.step = sched.pending[0].arrival - 1
 
 
 def _worker_step(plan: StepPlan, finished: list[str]) -> WorkerStep:

@@ -18,6 +18,8 @@ worker then, in this order:
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 
 import torch
 
@@ -99,6 +101,8 @@ class Worker:
     def execute(self, step: WorkerStep) -> torch.Tensor:
         """Mutates. Run one step; returns logits ``[T, V]`` of every computed token, chunks in
         order (identical on every rank)."""
+        if self.faults.rank_killed_at_step == (self.rank, step.step):
+            os.kill(os.getpid(), signal.SIGKILL)
         self._update_rows(step)
         if not self.faults.copies_after_forward:
             self.cache.copy_blocks(list(step.copies))

@@ -15,7 +15,7 @@ def hybrid_workload() -> list[TraceRequest]:
     - ``a`` and ``b`` arrive together and share SYSTEM: ``b`` is admitted while ``a`` writes
       that prefix in the same step, so it cannot hit it (keys appear after the forward pass).
     - ``c`` arrives while ``a`` is still prefilling and shares ``a``'s first 42 tokens: with a
-      budget of 12 tokens per step it is admitted in the step where ``a`` computes its last
+      budget of 48 tokens per step it is admitted in the step where ``a`` computes its last
       prompt token, hits 42 tokens -- inside the attention block ``a`` writes in that very
       step -- and copies that block (and the Mamba state) at step start.
     - ``d`` is ``a``'s next turn: ``a``'s prompt + outputs + new tokens; it hits the state
@@ -28,10 +28,10 @@ def hybrid_workload() -> list[TraceRequest]:
     return [
         TraceRequest("a", a_prompt, a_out, 0),
         TraceRequest("b", b_prompt, (11, 12, 13), 0),
-        TraceRequest("c", a_prompt[:42] + (70, 71, 72), (14, 15), 7),
-        TraceRequest("d", a_prompt + a_out + (80, 81, 82), (16, 17, 18), 16),
-        TraceRequest("e", b_prompt, (19, 20), 18),
-        TraceRequest("f", b_prompt, (21,), 18, cache_salt="tenant-2"),
+        TraceRequest("c", a_prompt[:42] + (70, 71, 72), (14, 15), 3),
+        TraceRequest("d", a_prompt + a_out + (80, 81, 82), (16, 17, 18), 10),
+        TraceRequest("e", b_prompt, (19, 20), 10),
+        TraceRequest("f", b_prompt, (21,), 10, cache_salt="tenant-2"),
     ]
 
 

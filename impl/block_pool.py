@@ -20,9 +20,13 @@ Contracts, two tiers (docs/spec.md, the block-pool section):
   code in each method. They raise ``ValueError`` (bad input; the message starts with the
   invariant id and names the block and its ref count) or ``InvariantViolation`` (the pool itself
   is inconsistent). Every failed call leaves the pool unchanged (INV-POOL-ATOMIC).
-* slow, behind ``ICONTRACT_SLOW``: icontract ``@require``/``@ensure`` on every public method,
-  including the whole-pool :meth:`BlockPool._check`. An icontract condition costs ~5 us per
-  call here against ~0.1 us for the method body, which is why they are not the cheap tier.
+* slow, while the slow switch is on (``kvproof.spec.contracts.slow()``, read at each call):
+  the icontract conditions under ``@slow_tier`` on every verb, including the whole-pool
+  :meth:`BlockPool._check`. An icontract condition costs ~5 us per call here against ~0.1 us
+  for the method body, which is why they are not the cheap tier; with the switch off a verb
+  pays one branch for them.
+
+Nothing here depends on ``__debug__``: ``python -O`` keeps every check.
 """
 
 from __future__ import annotations
@@ -32,14 +36,11 @@ from typing import Hashable, Iterable, Optional, Sequence
 
 import icontract
 
-from kvproof.spec import contracts
-from kvproof.spec.contracts import InvariantViolation, check
+from kvproof.spec.contracts import InvariantViolation, check, slow_tier
 
 NULL_BLOCK = 0
 
 Key = Hashable
-
-_SLOW = contracts.SLOW
 
 
 def _count_refs(self: "BlockPool", blocks: Iterable[int]) -> dict[int, int]:
@@ -58,13 +59,12 @@ class BlockPool:
 
     __slots__ = ("_num_blocks", "_ref", "_key", "_ntok", "_holders", "_next", "_prev", "_head", "_tail", "_num_free", "num_evictions")
 
-    @icontract.require(
-        lambda num_blocks: isinstance(num_blocks, int) and num_blocks >= 1,
-        error=lambda num_blocks: ValueError(f"num_blocks {num_blocks!r} must be an int >= 1 (block 0 is the null block)"),
-    )
-    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: a new pool is well formed", enabled=_SLOW)
+    @slow_tier
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: a new pool is well formed", enabled=True)
     def __init__(self, num_blocks: int) -> None:
         """A pool whose blocks 1..num_blocks-1 start free, in id order (allocated in that order)."""
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks {num_blocks!r} must be an int >= 1 (block 0 is the null block)")
         self._num_blocks = num_blocks
         self._ref = [0] * num_blocks
         self._key: list[Optional[Key]] = [None] * num_blocks
@@ -147,19 +147,20 @@ class BlockPool:
 
     # --- verbs (mutate state) ------------------------------------------------------------------
 
-    @icontract.snapshot(lambda self: self.free_order(), name="free_order", enabled=_SLOW)
+    @slow_tier
+    @icontract.snapshot(lambda self: self.free_order(), name="free_order", enabled=True)
     @icontract.ensure(
         lambda OLD, self, n, result: result is not None or self.free_order() == OLD.free_order,
         "INV-POOL-ATOMIC: a failed allocate changes nothing",
-        enabled=_SLOW,
+        enabled=True,
     )
     @icontract.ensure(
         lambda self, n, result: result is None
         or (len(result) == n == len(set(result)) and all(self._ref[b] == 1 and self._key[b] is None and b != NULL_BLOCK for b in result)),
         "INV-POOL-ALLOC-FRESH: allocate returns n distinct real blocks with ref 1 and no key",
-        enabled=_SLOW,
+        enabled=True,
     )
-    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after allocate", enabled=_SLOW)
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after allocate", enabled=True)
     def allocate(self, n: int) -> Optional[list[int]]:
         """Mutates. Take ``n`` blocks from the head of the free queue, each with ref 1 and no key.
 
@@ -167,8 +168,8 @@ class BlockPool:
         None and changes nothing when fewer than ``n`` blocks are free (INV-POOL-ATOMIC); callers
         that need to know beforehand use :meth:`can_allocate`.
         """
-        if n < 0:
-            raise ValueError(f"allocate: block count {n} must be >= 0")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"allocate: block count {n!r} must be an int >= 0")
         if n > self._num_free:
             return None
         ref, key, nxt, prv = self._ref, self._key, self._next, self._prev
@@ -189,13 +190,14 @@ class BlockPool:
         self._num_free -= n
         return out
 
-    @icontract.snapshot(lambda self, blocks: _count_refs(self, blocks), name="refs", enabled=_SLOW)
+    @slow_tier
+    @icontract.snapshot(lambda self, blocks: _count_refs(self, blocks), name="refs", enabled=True)
     @icontract.ensure(
         lambda OLD, self, blocks: all(self._ref[b] == OLD.refs[b] + c for b, c in Counter(blocks).items() if b != NULL_BLOCK),
         "INV-POOL-REF-NONNEG: touch adds one reference per listed real block",
-        enabled=_SLOW,
+        enabled=True,
     )
-    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after touch", enabled=_SLOW)
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after touch", enabled=True)
     def touch(self, blocks: Sequence[int]) -> None:
         """Mutates. Take one more reference on each listed block (a cache hit).
 
@@ -227,13 +229,14 @@ class BlockPool:
                 self._num_free -= 1
             ref[b] += 1
 
-    @icontract.snapshot(lambda self, blocks: _count_refs(self, blocks), name="refs", enabled=_SLOW)
+    @slow_tier
+    @icontract.snapshot(lambda self, blocks: _count_refs(self, blocks), name="refs", enabled=True)
     @icontract.ensure(
         lambda OLD, self, blocks: all(self._ref[b] == OLD.refs[b] - c for b, c in Counter(blocks).items() if b != NULL_BLOCK),
         "INV-POOL-REF-NONNEG: free drops one reference per listed real block",
-        enabled=_SLOW,
+        enabled=True,
     )
-    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after free", enabled=_SLOW)
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after free", enabled=True)
     def free(self, blocks: Sequence[int]) -> None:
         """Mutates. Drop one reference per listed block (the null block is skipped).
 
@@ -291,12 +294,13 @@ class BlockPool:
             if b != NULL_BLOCK and times > ref[b]:
                 raise ValueError(f"INV-POOL-REF-NONNEG: block {b} listed {times} times in one free but its ref count is {ref[b]}")
 
+    @slow_tier
     @icontract.ensure(
         lambda self, block, key, num_tokens: self._key[block] == key and self._ntok[block] == num_tokens,
         "INV-POOL-NO-STALE-PARTIAL: after cache_full the block's one key is the full key",
-        enabled=_SLOW,
+        enabled=True,
     )
-    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after cache_full", enabled=_SLOW)
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after cache_full", enabled=True)
     def cache_full(self, block: int, key: Key, num_tokens: int) -> bool:
         """Mutates. Name a held block by its full-block key covering ``num_tokens`` tokens.
 
@@ -322,19 +326,20 @@ class BlockPool:
         self._attach(block, key, num_tokens, holders)
         return True
 
-    @icontract.snapshot(lambda self, block: (self._key[block], self._ntok[block]) if isinstance(block, int) and 0 <= block < self._num_blocks else None, name="entry", enabled=_SLOW)
+    @slow_tier
+    @icontract.snapshot(lambda self, block: (self._key[block], self._ntok[block]) if isinstance(block, int) and 0 <= block < self._num_blocks else None, name="entry", enabled=True)
     @icontract.ensure(
         lambda OLD, self, block, result: result is not None or (self._key[block], self._ntok[block]) == OLD.entry,
         "INV-POOL-ATOMIC: a refused cache_partial changes nothing",
-        enabled=_SLOW,
+        enabled=True,
     )
     @icontract.ensure(
         lambda OLD, key, num_tokens, replace, result: (result is None)
         == (not replace and OLD.entry[0] is not None and OLD.entry[0] != key and OLD.entry[1] >= num_tokens),
         "INV-POOL-NO-STALE-PARTIAL: cache_partial refuses exactly a boundary the block already covers under another key",
-        enabled=_SLOW,
+        enabled=True,
     )
-    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after cache_partial", enabled=_SLOW)
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after cache_partial", enabled=True)
     def cache_partial(self, block: int, key: Key, num_tokens: int, replace: bool = False) -> Optional[bool]:
         """Mutates unless refused. Offer a partial (sub-block, hash-aligned) key for a held block.
 
@@ -359,15 +364,17 @@ class BlockPool:
         self._attach(block, key, num_tokens, holders)
         return True
 
-    @icontract.require(
-        lambda self, blocks: all(isinstance(b, int) and 0 < b < self._num_blocks for b in blocks),
-        error=lambda self, blocks: ValueError(f"evict: block ids {list(blocks)} must lie in [1, {self._num_blocks})"),
-    )
-    @icontract.ensure(lambda self, blocks: all(self._key[b] is None for b in blocks), "INV-POOL-KEY-CONSISTENT: evicted blocks have no key")
-    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after evict", enabled=_SLOW)
+    @icontract.ensure(lambda self, blocks: all(self._key[b] is None for b in blocks), "INV-POOL-KEY-CONSISTENT: evicted blocks have no key", enabled=True)
+    @slow_tier
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after evict", enabled=True)
     def evict(self, blocks: Sequence[int]) -> int:
         """Mutates. Drop the key of each listed block; ref counts and the free queue are unchanged.
-        Returns how many keys were dropped."""
+        Returns how many keys were dropped. An id outside [1, num_blocks) raises ValueError and
+        changes nothing."""
+        nb = self._num_blocks
+        for b in blocks:
+            if isinstance(b, bool) or not isinstance(b, int) or not 0 < b < nb:
+                raise ValueError(f"evict: block id {b!r} out of range [1, {nb})")
         dropped = 0
         for b in blocks:
             if self._key[b] is not None:
@@ -378,12 +385,15 @@ class BlockPool:
     @icontract.ensure(
         lambda self, result: result == (self._num_free == self._num_blocks - 1),
         "INV-POOL-RESET-IDLE: reset succeeds exactly when no real block is in use",
+        enabled=True,
     )
     @icontract.ensure(
         lambda self, result: not result or not self._holders,
         "INV-POOL-KEY-CONSISTENT: a successful reset drops every key",
+        enabled=True,
     )
-    @icontract.ensure(lambda self: self._check(), "INV-POOL-RESET-IDLE: whole-pool check after reset", enabled=_SLOW)
+    @slow_tier
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-RESET-IDLE: whole-pool check after reset", enabled=True)
     def reset(self) -> bool:
         """Mutates if it succeeds. Drop every key, but only when no real block is in use
         (INV-POOL-RESET-IDLE); otherwise return False and change nothing. The free-queue order is
@@ -396,20 +406,21 @@ class BlockPool:
         self._holders.clear()
         return True
 
-    @icontract.require(
-        lambda self, src, dst: src != dst and all(isinstance(b, int) and 0 < b < self._num_blocks and self._ref[b] > 0 for b in (src, dst)),
-        error=lambda self, src, dst: ValueError(f"INV-POOL-HELD-TO-CACHE: move_key needs two distinct held real blocks, got {src} -> {dst}"),
-    )
-    @icontract.require(
-        lambda self, src, dst: not all(isinstance(b, int) and 0 <= b < self._num_blocks for b in (src, dst))
-        or (self._key[src] is not None and self._key[dst] is None),
-        error=lambda self, src, dst: ValueError(f"move_key: block {src} must have a key and block {dst} none"),
-    )
-    @icontract.ensure(lambda self, src, dst: self._key[src] is None and self._key[dst] is not None, "INV-POOL-KEY-CONSISTENT: the key moved")
-    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after move_key", enabled=_SLOW)
+    @icontract.ensure(lambda self, src, dst: self._key[src] is None and self._key[dst] is not None, "INV-POOL-KEY-CONSISTENT: the key moved", enabled=True)
+    @slow_tier
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after move_key", enabled=True)
     def move_key(self, src: int, dst: int) -> None:
         """Mutates. Move src's key, its length and its place among the key's holders to dst
-        (a running Mamba request keeps writing src; its cached state now lives in the copy dst)."""
+        (a running Mamba request keeps writing src; its cached state now lives in the copy dst).
+        Two distinct held real blocks, src keyed and dst not, else ValueError and no change."""
+        nb, ref = self._num_blocks, self._ref
+        for b in (src, dst):
+            if isinstance(b, bool) or not isinstance(b, int) or not 0 < b < nb or ref[b] <= 0:
+                raise ValueError(f"INV-POOL-HELD-TO-CACHE: move_key needs two distinct held real blocks, got {src!r} -> {dst!r}")
+        if src == dst:
+            raise ValueError(f"INV-POOL-HELD-TO-CACHE: move_key needs two distinct held real blocks, got {src} -> {dst}")
+        if self._key[src] is None or self._key[dst] is not None:
+            raise ValueError(f"move_key: block {src} must have a key and block {dst} none")
         k = self._key[src]
         holders = self._holders[k]
         holders[holders.index(src)] = dst
@@ -461,7 +472,7 @@ class BlockPool:
         """Validate the whole pool (slow tier, O(num_blocks + keys)); True or InvariantViolation.
 
         The state machine calls it after every step; the icontract postconditions call it only
-        when ``ICONTRACT_SLOW`` is set.
+        while the slow switch is on.
         """
         nb, ref, key, ntok = self._num_blocks, self._ref, self._key, self._ntok
         check(len(ref) == len(key) == len(ntok) == nb, "INV-POOL-CONSERVE", f"per-block arrays have lengths {len(ref)}, {len(key)}, {len(ntok)}; expected {nb}")

@@ -1,8 +1,10 @@
-"""The Mamba chunk-split rule on the scheduler's hot path: the same rule as
-``kvproof.spec.chunk_split.mamba_chunk_end`` (which it is tested against), in plain integer
-code -- the spec's contracts cost more than the rule itself on every scheduled chunk."""
+"""The Mamba chunk-split rule on the scheduler's hot path: ``kvproof.spec.chunk_split.chunk_end``
+(the definition, which this is tested against) in plain integer arithmetic -- the spec's
+candidate searches and contracts cost more than the rule itself on every scheduled chunk."""
 
 from __future__ import annotations
+
+from kvproof.spec.chunk_split import SplitRule
 
 
 def _checkpoint(num_tokens: int, unit: int, eagle_drop: bool, lookahead: int) -> int:
@@ -12,34 +14,49 @@ def _checkpoint(num_tokens: int, unit: int, eagle_drop: bool, lookahead: int) ->
     return n - n % unit
 
 
-def chunk_end(
-    start: int,
-    budget: int,
-    num_tokens: int,
-    num_prompt_tokens: int,
-    mamba_block_size: int,
-    hash_block_size: int,
-    partial_tail: bool,
-    eagle_drop: bool = False,
-    lookahead: int = 0,
-) -> int:
-    """End (exclusive) of the chunk starting at ``start`` (see the spec for the rule)."""
-    end = min(start + budget, num_tokens)
-    if end < num_tokens:
-        aligned = end - end % mamba_block_size
-        if aligned > start:
-            end = aligned
-    if start % mamba_block_size:
-        boundary = start - start % mamba_block_size + mamba_block_size
-        if boundary < end:
-            end = boundary
-    last = _checkpoint(num_tokens, mamba_block_size, eagle_drop, lookahead)
-    if start < last < end:
-        end = last
-    if partial_tail:
-        tail = _checkpoint(num_prompt_tokens, hash_block_size, eagle_drop, lookahead)
-        if tail > last and start < tail < end:
-            end = tail
-    if not start < end:
-        raise AssertionError(f"INV-SPLIT-PROGRESS-AND-STOPS: chunk [{start}, {end}) makes no progress")
-    return end
+class ChunkSplitter:
+    """One layout's split rule; :meth:`end` is called for every prefill chunk."""
+
+    __slots__ = ("block", "hash_block", "max_prefill", "partial_tail", "eagle", "lookahead", "exact_junction")
+
+    def __init__(self, rule: SplitRule) -> None:
+        self.block = rule.mamba_block_size
+        self.hash_block = rule.hash_block_size
+        self.max_prefill = rule.max_prefill_tokens
+        self.partial_tail = rule.partial_tail
+        self.eagle = rule.eagle_drop
+        self.lookahead = rule.lookahead
+        self.exact_junction = rule.shared_prefix_checkpoint
+
+    def end(self, start: int, num_new: int, num_tokens: int, num_prompt: int, junctions: tuple[int, ...] = ()) -> int:
+        """End (exclusive) of the chunk taking at most ``num_new`` tokens from ``start``;
+        ``start`` when the request must wait (see the spec)."""
+        prefill = num_prompt if num_prompt > num_tokens - 1 else num_tokens - 1
+        if start >= prefill:
+            return start + num_new
+        b = self.block
+        end = start + num_new
+        if end < prefill:
+            aligned = end - end % b
+            if aligned > start or b <= self.max_prefill:
+                end = aligned
+                if end <= start:
+                    return start
+        target = end
+        if start % b:
+            boundary = start - start % b + b
+            if boundary < end:
+                end = boundary
+        last = _checkpoint(num_tokens, b, self.eagle, self.lookahead)
+        if start < last < end:
+            end = last
+        if self.partial_tail:
+            tail = _checkpoint(num_prompt, self.hash_block, self.eagle, self.lookahead)
+            if last < tail < num_prompt and start < tail < end:
+                end = tail
+        for j in junctions:
+            if start < j < target:  # a junction the unclipped chunk reaches (vLLM's test)
+                stop = j if self.exact_junction and j <= num_prompt else start + (j - start) // b * b
+                if start < stop < end:
+                    end = stop
+        return end

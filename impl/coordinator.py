@@ -10,17 +10,25 @@ from kvproof.impl.block_pool import BlockPool
 from kvproof.impl.managers import MANAGER_FOR_KIND, SingleTypeManager, StepLedger
 from kvproof.impl.request import Request
 from kvproof.spec.contracts import InvariantViolation
+from kvproof.spec.joint_hit import fixpoint
 from kvproof.spec.layout import Layout
+from kvproof.spec.groups import GroupKind
 
 logger = logging.getLogger("kvproof")
 
 
 @dataclasses.dataclass(frozen=True)
 class Hit:
-    """A joint prefix-cache hit: ``num_tokens`` and, per group, the blocks that restore it."""
+    """A joint prefix-cache hit: ``num_tokens`` and, per group, the blocks that restore it.
+
+    ``junctions``: lengths beyond the hit that this request shares with cached content in some
+    group (attention reaches further than a Mamba state does) -- where the next sibling will
+    branch, so the chunk split stops there and retention keeps the state (INV-JUNCTION).
+    """
 
     num_tokens: int
     blocks: tuple[list[int], ...]
+    junctions: tuple[int, ...] = ()
 
 
 class HybridCoordinator:
@@ -40,61 +48,66 @@ class HybridCoordinator:
         self.use_eagle = use_eagle
         if layout.partial.warning:
             logger.warning(layout.partial.warning)
+        retention = dict(
+            retention_interval=layout.config.retention_interval,
+            scheduler_block_size=layout.scheduler_block_size,
+            exact_junction=layout.config.shared_prefix_checkpoint,
+        )
         self.managers: tuple[SingleTypeManager, ...] = tuple(
             MANAGER_FOR_KIND[g.group.kind](
                 g.index, g, layout.hash_block_size, self.alignment, pool, self.ledger,
-                use_eagle=use_eagle,
+                use_eagle=use_eagle, **(retention if g.group.kind is GroupKind.MAMBA else {}),
             )
             for g in layout.groups
         )
-        # Only prefix-cacheable groups take part in lookups (a Mamba group in mode 'none'
-        # would veto every hit: it keeps no reusable state).
-        self._lookup_order = tuple(
-            m for m in sorted(self.managers, key=lambda m: not m.group.kind.is_attention)
-        )
+        # Attention first: its hits are downward closed, so the fixpoint takes two passes
+        # (attention narrows, Mamba lowers to a stored state, attention accepts it). A layout
+        # with a group that keeps no reusable state (Mamba in mode 'none') never hits.
+        self._lookup_order = tuple(sorted(self.managers, key=lambda m: not m.group.kind.is_attention))
+        self._first_block = self._lookup_order[0].block_size
         self._cacheable = all(m.group.prefix_cacheable for m in self.managers)
+        #: The empty hit (no tokens, no blocks, no junctions).
+        self.miss = Hit(0, tuple([] for _ in self.managers))
         #: Longest request every group's worker row can hold (checked in full only above it).
         self._max_tokens = min(m.max_tokens for m in self.managers)
 
     # --- lookup ---------------------------------------------------------------------------------
 
     def find_longest_hit(self, request: Request, bound: int) -> Hit:
-        """The largest N <= ``bound`` that every group can restore (no state change).
-
-        A fixpoint: each finder returns the largest length <= its input that its group can
-        restore, so passes never raise the candidate. A pass in which no finder lowers it ends
-        the loop: every group accepted that length. It is also the *largest* jointly restorable
-        length J: J <= candidate holds initially and is kept by every finder (J is restorable
-        in that group and <= its input, so the finder returns >= J).
-
-        Termination: the candidate is a non-negative multiple of the alignment A and strictly
-        decreases on every pass that does not end the loop, so there are at most
-        ``bound / A + 1`` passes (two in practice: attention first narrows it, Mamba lowers it
-        to a stored state, attention accepts that).
+        """The largest N <= ``bound`` that every group can restore, and the junctions beyond it
+        (no state change). Computed by :func:`kvproof.spec.joint_hit.fixpoint` over the groups'
+        finders (why it is the largest and why it ends: its docstring), attention first, so
+        it takes two passes in practice: attention narrows the candidate, Mamba lowers it to a
+        stored state, attention accepts that.
         """
         hit = min(bound, request.hashed_len)
         hit -= hit % self.alignment
         if not self._cacheable or hit <= 0:
-            return Hit(0, tuple([] for _ in self.managers))
-        found: dict[int, list[int]] = {}
-        while True:
-            before = hit
-            for m in self._lookup_order:
-                hit, blocks = m.find_hit(request, hit)
-                found[m.group_id] = blocks
-                if hit == 0:
-                    return Hit(0, tuple([] for _ in self.managers))
-            if hit == before:
-                break
-        blocks = tuple(found[m.group_id] for m in self.managers)
-        for m, bl in zip(self.managers, blocks):
-            if len(bl) != -(-hit // m.block_size) and not (len(bl) == 0 and hit == 0):
-                raise InvariantViolation(
-                    "INV-HIT-BLOCKS",
-                    f"request {request.request_id!r}, group {m.group_id}: hit {hit} needs "
-                    f"{-(-hit // m.block_size)} blocks, finder returned {len(bl)}",
-                )
-        return Hit(hit, blocks)
+            return self.miss
+        finders = [lambda n, m=m: m.find_hit(request, n) for m in self._lookup_order]
+        hit, found, longest, _ = fixpoint(finders, hit)
+        if hit == 0 and longest == 0:
+            return self.miss
+        blocks = [[] for _ in self.managers] if hit == 0 else [None] * len(self.managers)
+        if hit:
+            for m, bl in zip(self._lookup_order, found):
+                blocks[m.group_id] = bl
+                if len(bl) != -(-hit // m.block_size):
+                    raise InvariantViolation(
+                        "INV-HIT-BLOCKS",
+                        f"request {request.request_id!r}, group {m.group_id}: hit {hit} needs "
+                        f"{-(-hit // m.block_size)} blocks, finder returned {len(bl)}",
+                    )
+        return Hit(hit, tuple(blocks), self._junctions(hit, longest))
+
+    def _junctions(self, hit: int, longest: int) -> tuple[int, ...]:
+        """Where this request branches off cached content: the longest single-group hit, and
+        the last attention block boundary below it (where a hit can land without a partial
+        key), when beyond the joint hit."""
+        if longest <= hit:
+            return ()
+        coarse = longest - longest % self._first_block
+        return (coarse, longest) if hit < coarse < longest else (longest,)
 
     # --- allocation -----------------------------------------------------------------------------
 

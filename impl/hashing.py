@@ -38,7 +38,7 @@ import struct
 import sys
 import warnings
 from array import array
-from typing import Iterable, NamedTuple, Optional, Sequence
+from typing import Iterable, NamedTuple, NoReturn, Optional, Sequence
 
 import xxhash
 
@@ -260,21 +260,30 @@ def key_at(block_hashes: Sequence[bytes], num_tokens: int, hash_block_size: int,
     """The cache key of prefix ``[0, num_tokens)`` in a group: ``(block_hashes[N/H - 1], group_id)``.
 
     N must be a multiple of H with ``0 < N/H <= len(block_hashes)``; full-block and partial
-    entries of every group use this one function (INV-HASH-BOUNDARY).
+    entries of every group use this one function (INV-HASH-BOUNDARY). Cheap enough for every
+    key the managers take: one combined test on the common path, the messages only on failure.
     """
-    if not (isinstance(hash_block_size, int) and hash_block_size > 0):
+    if (
+        type(num_tokens) is int and type(hash_block_size) is int and type(group_id) is int
+        and hash_block_size > 0 and group_id >= 0 and 0 < num_tokens <= len(block_hashes) * hash_block_size
+        and not num_tokens % hash_block_size
+    ):
+        return block_hashes[num_tokens // hash_block_size - 1], group_id
+    _reject_boundary(block_hashes, num_tokens, hash_block_size, group_id)
+
+
+def _reject_boundary(block_hashes: Sequence[bytes], num_tokens, hash_block_size, group_id) -> NoReturn:
+    """Raise the ValueError naming what :func:`key_at` was given and what it expected."""
+    if isinstance(hash_block_size, bool) or not (isinstance(hash_block_size, int) and hash_block_size > 0):
         raise ValueError(f"hash_block_size {hash_block_size!r} must be an int > 0")
-    if not isinstance(num_tokens, int) or num_tokens % hash_block_size:
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens % hash_block_size:
         raise ValueError(f"INV-HASH-BOUNDARY: num_tokens {num_tokens!r} is not a multiple of hash_block_size {hash_block_size}")
-    index = num_tokens // hash_block_size
-    if not 0 < index <= len(block_hashes):
+    if not 0 < num_tokens // hash_block_size <= len(block_hashes):
         raise ValueError(
             f"INV-HASH-BOUNDARY: num_tokens {num_tokens} must lie in [{hash_block_size}, {len(block_hashes) * hash_block_size}] "
             f"({len(block_hashes)} hashes of {hash_block_size} tokens)"
         )
-    if not (isinstance(group_id, int) and group_id >= 0):
-        raise ValueError(f"group_id {group_id!r} must be an int >= 0")
-    return block_hashes[index - 1], group_id
+    raise ValueError(f"group_id {group_id!r} must be an int >= 0")
 
 
 def full_block_key(

@@ -17,7 +17,7 @@ block this step writes, and never chain (INV-COW-SOURCE-READY, checked per copy)
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 from kvproof.impl.block_pool import BlockPool
 from kvproof.impl.coordinator import Hit, HybridCoordinator
@@ -36,7 +36,6 @@ class KVCacheManager:
         self.managers = self.coordinator.managers
         self._step = 0
         self._running_tables = self.managers[0].tables  # a request is running iff it has a row
-        self._no_hit = Hit(0, tuple([] for _ in self.managers))
         self._in_flight: set[str] = set()  # allocated this step, not yet cached
         self.num_copies = 0
 
@@ -46,19 +45,32 @@ class KVCacheManager:
 
     # --- queries --------------------------------------------------------------------------------
 
-    def lookup(self, request: Request) -> Hit:
+    def lookup(self, request: Request, bound: Optional[int] = None) -> Hit:
         """The prefix-cache hit for a waiting request: at most ``num_tokens - 1`` tokens (one
-        must be computed to sample), at most the hashed length, a multiple of the cache-hit
-        alignment (INV-HIT-BOUND). No state change."""
-        hit = self.coordinator.find_longest_hit(request, request.num_tokens - 1)
+        must be computed to sample) -- or at most ``bound`` -- at most the hashed length, a
+        multiple of the cache-hit alignment (INV-HIT-BOUND). No state change."""
+        limit = request.num_tokens - 1 if bound is None else min(bound, request.num_tokens - 1)
+        hit = self.coordinator.find_longest_hit(request, limit)
         n = hit.num_tokens
-        if n % self.coordinator.alignment or n > request.num_tokens - 1 or n > request.hashed_len:
+        if n % self.coordinator.alignment or n > limit or n > request.hashed_len:
             raise InvariantViolation(
                 "INV-HIT-BOUND",
                 f"request {request.request_id!r}: hit {n} must be a multiple of {self.coordinator.alignment} "
-                f"and <= min(num_tokens - 1, hashed) = {min(request.num_tokens - 1, request.hashed_len)}",
+                f"and <= min(bound, hashed) = {min(limit, request.hashed_len)}",
             )
         return hit
+
+    def cheaper_hits(self, request: Request, hit: Hit) -> Iterator[Hit]:
+        """Shorter hits to fall back to when taking ``hit`` costs more blocks than the pool has
+        (a hit inside a block needs a copy-on-write block; an evictable hit block consumes a
+        free one): the longest hit on a scheduler-block boundary (no copy in any group), then
+        none. No state change."""
+        s = self.layout.scheduler_block_size
+        aligned = hit.num_tokens - hit.num_tokens % s
+        if 0 < aligned < hit.num_tokens:
+            yield self.lookup(request, bound=aligned)
+        if hit.num_tokens:
+            yield self.coordinator.miss
 
     def block_table(self, request: Request) -> tuple[list[int], ...]:
         """The request's current block list per group (copies; for tests and the oracle)."""
@@ -97,7 +109,7 @@ class KVCacheManager:
                 raise ValueError(f"request {request.request_id!r} is running; a running request takes no hit")
             start = request.num_computed_tokens
         else:
-            hit = hit if hit is not None else self._no_hit
+            hit = hit if hit is not None else self.coordinator.miss
             start = hit.num_tokens
         total = start + num_new_tokens
         if total > request.num_tokens:

@@ -11,6 +11,7 @@ from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
 from kvproof.impl.scheduler import Scheduler, StepPlan
 from kvproof.impl.trace import TraceRequest
+from kvproof.spec import contracts
 from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.layout import Layout
 
@@ -44,8 +45,8 @@ def replay(
 ) -> ReplayResult:
     """Run ``trace`` to completion. An invariant violation stops the replay and is reported
     (with the oracle's findings) in ``violations``; CapacityError propagates (bad input).
-    ``slow`` adds the whole-state checks (pool conservation, table references) after every
-    step, the slow tier."""
+    ``slow`` turns the slow switch on for the replay (the slow-tier contracts of every call) and
+    adds the whole-state checks (pool conservation, table references) after every step."""
     kv = KVCacheManager(layout, num_blocks, use_eagle=use_eagle)
     sched = Scheduler(kv, max_num_batched_tokens=max_num_batched_tokens)
     requests = [
@@ -62,22 +63,23 @@ def replay(
     watcher = ContentOracle(layout) if oracle else None
     violations: list[str] = []
     try:
-        while sched.has_unfinished():
-            if sched.step >= max_steps:
-                violations.append(f"INV-REPLAY-PROGRESS: no completion after {max_steps} steps")
-                break
-            plan = sched.schedule()
-            if watcher is not None:
-                watcher.run_step(plan)
-            if on_step is not None:
-                on_step(plan, sched)
-            for req in sched.finish_step(plan):
+        with contracts.slow_checks(slow or contracts.slow()):
+            while sched.has_unfinished():
+                if sched.step >= max_steps:
+                    violations.append(f"INV-REPLAY-PROGRESS: no completion after {max_steps} steps")
+                    break
+                plan = sched.schedule()
                 if watcher is not None:
-                    watcher.forget(req)
-            if slow:
-                kv._check()
-            if watcher is not None and watcher.violations:
-                break
+                    watcher.run_step(plan)
+                if on_step is not None:
+                    on_step(plan, sched)
+                for req in sched.finish_step(plan):
+                    if watcher is not None:
+                        watcher.forget(req)
+                if slow:
+                    kv._check()
+                if watcher is not None and watcher.violations:
+                    break
     except InvariantViolation as e:
         violations.append(str(e))
     if watcher is not None:

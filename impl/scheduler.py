@@ -21,7 +21,8 @@ import operator
 
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
-from kvproof.impl.chunk_split import chunk_end
+from kvproof.impl.chunk_split import ChunkSplitter
+from kvproof.spec.chunk_split import SplitRule
 from kvproof.spec.groups import GroupKind, MambaCacheMode
 
 
@@ -54,28 +55,30 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256) -> None:
+    """``long_prefill_token_threshold`` (vLLM's): when more than one request is running or
+    waiting, no chunk takes more than that many tokens (0: no cap)."""
+
+    def __init__(
+        self, kv: KVCacheManager, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+        long_prefill_token_threshold: int = 0,
+    ) -> None:
         if max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} must be > 0")
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs {max_num_seqs} must be > 0")
+        if long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold {long_prefill_token_threshold} must be >= 0")
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.pending: list[Request] = []  # not yet arrived, sorted by arrival
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
         self.num_preemptions = 0
         self.step = 0
-        layout = kv.layout
-        mamba = [
-            g.group.block_size for g in layout.groups
-            if g.group.kind is GroupKind.MAMBA and g.group.mamba_cache_mode is MambaCacheMode.ALIGN
-        ]
-        self._mamba_block = min(mamba) if mamba else None
-        self._partial_tail = layout.partial_hash_hits and layout.hash_block_size < layout.scheduler_block_size
-        self._eagle = kv.coordinator.use_eagle
+        self._splitter = _splitter_for(kv, max_num_batched_tokens, long_prefill_token_threshold)
 
     def add_request(self, request: Request) -> None:
         bisect.insort(self.pending, request, key=_arrival)  # stable: equal arrivals keep order
@@ -85,15 +88,17 @@ class Scheduler:
 
     # --- one step -------------------------------------------------------------------------------
 
-    def _chunk_end(self, request: Request, start: int, budget: int) -> int:
-        if start + 1 == request.num_tokens:
-            return start + 1  # a decode step: no rule shortens a one-token chunk
-        if self._mamba_block is None:
-            return min(start + budget, request.num_tokens)
-        return chunk_end(
-            start, budget, request.num_tokens, request.num_prompt_tokens, self._mamba_block,
-            self.kv.layout.hash_block_size, self._partial_tail, self._eagle,
-        )
+    def _chunk_end(self, request: Request, start: int, num_new: int) -> int:
+        """Where this step's chunk ends (``start``: the request waits for a later step)."""
+        if start + 1 == request.num_tokens or self._splitter is None:
+            return start + num_new  # a decode step, or no Mamba state to place
+        return self._splitter.end(start, num_new, request.num_tokens, request.num_prompt_tokens, request.junctions)
+
+    def _chunk_cap(self) -> int:
+        """Tokens one chunk may take this step before the budget: the long-prefill threshold
+        applies only when another request competes for the step."""
+        t = self.long_prefill_token_threshold
+        return t if t and len(self.running) + len(self.waiting) > 1 else self.max_num_batched_tokens
 
     def schedule(self) -> StepPlan:
         """Mutates. Plan one step; the caller runs it (copies, then the forward pass) and then
@@ -103,6 +108,7 @@ class Scheduler:
         while self.pending and self.pending[0].arrival <= self.step:
             self.waiting.append(self.pending.pop(0))
         budget = self.max_num_batched_tokens
+        cap = self._chunk_cap()
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         scheduled: set[str] = set()
@@ -111,7 +117,10 @@ class Scheduler:
         while i < len(queue) and budget > 0:
             req = queue[i]
             start = req.num_computed_tokens
-            end = self._chunk_end(req, start, budget)
+            end = self._chunk_end(req, start, min(req.num_tokens - start, cap, budget))
+            if end == start:
+                i += 1  # no block-aligned chunk fits what is left of the budget
+                continue
             blocks = self.kv.allocate_slots(req, end - start)
             while blocks is None:
                 victim = next((r for r in reversed(queue) if r.request_id not in scheduled), None)
@@ -134,22 +143,40 @@ class Scheduler:
         self.running = [r for r in queue]
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hit = self.kv.lookup(req)
-            start = hit.num_tokens
-            end = self._chunk_end(req, start, budget)
-            blocks = self.kv.allocate_slots(req, end - start, hit)
-            if blocks is None:
-                if not self.running and not chunks:
-                    raise CapacityError(
-                        f"request {req.request_id!r} cannot get blocks for {end} tokens even with an empty pool "
-                        f"({self.kv.pool.num_blocks - 1} blocks); raise --num-blocks"
-                    )
-                break
+            admitted = self._admit(req, min(cap, budget), alone=not self.running and not chunks)
+            if admitted is None:
+                break  # FCFS: the head waits (for budget for an aligned chunk, or for blocks)
             self.waiting.popleft()
             self.running.append(req)
-            chunks.append(ScheduledChunk(req, start, end - start, blocks, overwrite=True))
-            budget -= end - start
+            chunks.append(admitted)
+            budget -= admitted.num_tokens
         return StepPlan(self.step, chunks, self.kv.take_block_copies(), preempted)
+
+    def _admit(self, req: Request, limit: int, alone: bool) -> ScheduledChunk | None:
+        """Mutates unless it returns None. Look ``req`` up and allocate its first chunk (at most
+        ``limit`` tokens). When it is ``alone`` in the step and its hit costs more blocks than
+        the pool has, fall back to cheaper hits (``KVCacheManager.cheaper_hits``): a request
+        that fits an empty pool without a hit is always admitted. Raises CapacityError when
+        not even that fits."""
+        hit = self.kv.lookup(req)
+        fallbacks = self.kv.cheaper_hits(req, hit) if alone else iter(())
+        while True:
+            req.junctions = hit.junctions
+            start = hit.num_tokens
+            end = self._chunk_end(req, start, min(req.num_tokens - start, limit))
+            if end == start:
+                return None
+            blocks = self.kv.allocate_slots(req, end - start, hit)
+            if blocks is not None:
+                return ScheduledChunk(req, start, end - start, blocks, overwrite=True)
+            hit = next(fallbacks, None)
+            if hit is None:
+                if alone:
+                    raise CapacityError(
+                        f"request {req.request_id!r} cannot get blocks for {end} tokens even with the pool to itself "
+                        f"({self.kv.pool.num_blocks - 1} blocks, {self.kv.pool.num_free} free); raise --num-blocks"
+                    )
+                return None
 
     def _preempt(self, request: Request, preempted: list[Request]) -> None:
         self.kv.free(request)
@@ -178,3 +205,23 @@ class Scheduler:
             self.running.remove(req)
             self.finished.append(req)
         return done
+
+
+def _splitter_for(kv: KVCacheManager, budget: int, threshold: int) -> ChunkSplitter | None:
+    """The chunk-split rule when the layout keeps Mamba states in align mode (else None)."""
+    layout = kv.layout
+    mamba = [
+        g.group.block_size for g in layout.groups
+        if g.group.kind is GroupKind.MAMBA and g.group.mamba_cache_mode is MambaCacheMode.ALIGN
+    ]
+    if not mamba:
+        return None
+    rule = SplitRule(
+        mamba_block_size=min(mamba),
+        hash_block_size=layout.hash_block_size,
+        max_prefill_tokens=min(budget, threshold) if threshold else budget,
+        partial_tail=layout.partial_hash_hits and layout.hash_block_size < layout.scheduler_block_size,
+        eagle_drop=kv.coordinator.use_eagle,
+        shared_prefix_checkpoint=layout.config.shared_prefix_checkpoint,
+    )
+    return ChunkSplitter(rule)

@@ -1,10 +1,11 @@
 """Exhaustive small-scope check of the Mamba chunk-split rule (spec/chunk_split.py).
 
-Runs ``mamba_chunk_end`` (and through it ``checkpoint_position``) with contracts on over a
-fixed scope; the contracts state the invariants: a checkpoint is a multiple of its unit below
-the sequence end (INV-SPLIT-CKPT); a chunk makes progress, stays within budget and sequence,
-and never runs past a checkpoint (INV-SPLIT-PROGRESS-AND-STOPS). The scope is infinite in
-general, so a clean run is ``unrefuted``.
+Runs ``chunk_end`` (and through it ``checkpoint_position``) with contracts on over a fixed
+scope; the contracts state the invariants: a checkpoint is a multiple of its unit below the
+sequence end (INV-SPLIT-CKPT); a chunk stays within its tokens and waits only when it must
+(INV-SPLIT-PROGRESS); it ends block-aligned, at the prefill end or at a stop, and is as long as
+allowed (INV-SPLIT-ALIGNED); it never runs past a checkpoint or junction (INV-SPLIT-STOPS). The
+scope is infinite in general, so a clean run is ``unrefuted``.
 """
 
 from __future__ import annotations
@@ -14,41 +15,46 @@ import time
 
 import icontract
 
-from kvproof.proofs.registry import REFUTED, UNREFUTED, Obligation, Outcome, violation_summary
-from kvproof.spec.chunk_split import mamba_chunk_end
+from kvproof.proofs.registry import CHECKED, INCOMPLETE, REFUTED, Obligation, Outcome, violation_summary
+from kvproof.spec.chunk_split import SplitRule, chunk_end
 
 
 def scope():
-    """Mamba blocks 1-4 with every H dividing them, sequences up to 8 tokens, budgets 1, 2, 3, 5."""
-    for mamba, num_tokens in itertools.product(range(1, 5), range(1, 9)):
+    """Mamba blocks 1-4 with every H dividing them, sequences up to 6 tokens, chunk limits 1 and
+    5, no junction or one at every position, both junction modes."""
+    for mamba, num_tokens in itertools.product(range(1, 5), range(1, 7)):
         for h in (d for d in range(1, mamba + 1) if mamba % d == 0):
-            for prompt in sorted({(num_tokens + 1) // 2, num_tokens}):
-                for start, budget in itertools.product(range(num_tokens), (1, 2, 3, 5)):
-                    for partial_tail, eagle_drop, lookahead in itertools.product((False, True), (False, True), (0, 1)):
-                        yield start, budget, num_tokens, prompt, mamba, h, partial_tail, eagle_drop, lookahead
+            for flags in itertools.product((False, True), (False, True), (0, 1), (False, True), (1, 5)):
+                partial_tail, eagle_drop, lookahead, exact, max_prefill = flags
+                rule = SplitRule(mamba, h, max_prefill, partial_tail, eagle_drop, lookahead, exact)
+                for prompt in sorted({(num_tokens + 1) // 2, num_tokens}):
+                    for start in range(num_tokens):
+                        for num_new in range(1, min(max_prefill, num_tokens - start) + 1):
+                            for junctions in ((),) + tuple((j,) for j in range(1, num_tokens)):
+                                yield rule, start, num_new, num_tokens, prompt, junctions
 
 
 def check_chunk_split(budget: float) -> Outcome:
     deadline, count = time.monotonic() + budget, 0
     for args in scope():
         if count % 1024 == 0 and time.monotonic() > deadline:
-            return Outcome(UNREFUTED, detail=f"budget spent after {count:,} chunks")
+            return Outcome(INCOMPLETE, detail=f"budget spent after {count:,} chunks")
         try:
-            mamba_chunk_end(*args)
+            chunk_end(*args)
         except icontract.ViolationError as e:
-            names = "start budget num_tokens num_prompt_tokens mamba_block_size hash_block_size partial_tail eagle_drop lookahead"
+            names = "rule start num_new num_tokens num_prompt_tokens junctions"
             call = ", ".join(f"{n}={a}" for n, a in zip(names.split(), args))
-            return Outcome(REFUTED, counterexample=f"mamba_chunk_end({call}): {violation_summary(e)}")
+            return Outcome(REFUTED, counterexample=f"chunk_end({call}): {violation_summary(e)}")
         count += 1
-    return Outcome(UNREFUTED, detail=f"{count:,} chunks, every contract held")
+    return Outcome(CHECKED, detail=f"{count:,} chunks, every contract held")
 
 
 OBLIGATIONS = (
     Obligation(
         "EXH-CHUNK-SPLIT",
-        ("INV-SPLIT-CKPT", "INV-SPLIT-PROGRESS-AND-STOPS"),
+        ("INV-SPLIT-CKPT", "INV-SPLIT-PROGRESS", "INV-SPLIT-ALIGNED", "INV-SPLIT-STOPS"),
         "exhaustive",
-        "every chunk in scope makes progress within budget and stops at the first Mamba checkpoint",
+        "every chunk in scope stays within its tokens, ends aligned or at its first stop, and is as long as allowed",
         check_chunk_split,
     ),
 )

@@ -15,8 +15,8 @@ from typing import Callable, Iterator
 
 import icontract
 
-from kvproof.proofs.registry import ERROR, REFUTED, UNREFUTED, Obligation, Outcome, violation_summary
-from kvproof.spec.geometry import effective_block_size, hash_block_size, partial_hash_hits, scheduler_block_size
+from kvproof.proofs.registry import CHECKED, ERROR, INCOMPLETE, REFUTED, Obligation, Outcome, violation_summary
+from kvproof.spec.geometry import hash_block_size, partial_hash_hits, scheduler_block_size
 from kvproof.spec.groups import CacheGroup, GroupKind, MambaCacheMode
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 
@@ -69,13 +69,20 @@ def _label(groups, dcp) -> str:
 def serves_every_hash_boundary(group: CacheGroup, dcp: int, h: int) -> bool:
     """Whether ``group`` can return a hit ending at any multiple of H (docs: one key).
 
-    From first principles, not from the rule under test: full attention / MLA KV is
-    append-only and align-mode Mamba keeps states at hash boundaries, so both serve any
-    multiple of H; a sliding window needs whole blocks, so only when its block is H.
+    Stated per kind from what each one stores, without the rule's helpers
+    (``supports_fine_grained_lookup``, ``effective_block_size``): full attention and MLA keep
+    the KV of every position (append-only), so a block holding a longer prefix serves any
+    shorter one; an align-mode Mamba group keeps a state at whichever hash boundary it
+    checkpoints; Mamba ``none`` keeps nothing reusable; a sliding window restores whole blocks
+    only, so every multiple of H is a block end only when one block spans exactly H positions
+    (``block_size`` on each of ``dcp`` ranks when sharded).
     """
-    if not group.prefix_cacheable:
-        return False
-    return group.kind.supports_fine_grained_lookup or effective_block_size(group, dcp) == h
+    if group.kind in (FA, MLA):
+        return True
+    if group.kind is MAMBA:
+        return group.mamba_cache_mode is MambaCacheMode.ALIGN
+    span = group.block_size * dcp if group.is_sharded else group.block_size
+    return span == h
 
 
 def _valid(groups, dcp) -> LayoutConfig | None:
@@ -94,7 +101,7 @@ def check_layouts(budget: float) -> Outcome:
     deadline, count = time.monotonic() + budget, 0
     for groups, dcp in scope():
         if time.monotonic() > deadline:
-            return Outcome(UNREFUTED, detail=f"budget spent after {count:,} layouts")
+            return Outcome(INCOMPLETE, detail=f"budget spent after {count:,} layouts")
         explicit: list[int | None] = [None]
         while explicit:  # the derived H first, then every smaller divisor of it
             h = explicit.pop()
@@ -110,7 +117,7 @@ def check_layouts(budget: float) -> Outcome:
             bad = _layout_fact_broken(layout)
             if bad:
                 return Outcome(REFUTED, counterexample=f"{_label(groups, dcp)}, H {layout.hash_block_size}: {bad}")
-    return Outcome(UNREFUTED, detail=f"{count:,} layouts, every contract held")
+    return Outcome(CHECKED, detail=f"{count:,} layouts, every contract held")
 
 
 def _layout_fact_broken(layout) -> str | None:
@@ -118,8 +125,10 @@ def _layout_fact_broken(layout) -> str | None:
     for gl in layout.groups:
         if layout.partial_hash_hits and gl.group.prefix_cacheable and not serves_every_hash_boundary(gl.group, layout.dcp, h):
             return f"partial hits on, but group {gl.index} ({gl.group.label}) cannot serve a hit at N={h}"
-        if not layout.partial_hash_hits and a % gl.effective_block_size:
-            return f"block-aligned hits at A={a} are not on group {gl.index}'s block grid ({gl.effective_block_size})"
+        g = gl.group
+        span = g.block_size * layout.dcp if g.is_sharded else g.block_size  # positions per block id
+        if not layout.partial_hash_hits and a % span:
+            return f"block-aligned hits at A={a} are not on group {gl.index}'s block grid ({span})"
     return None
 
 
@@ -137,7 +146,7 @@ def check_partial_complete(rule: PartialRule, budget: float) -> Outcome:
     deadline, count = time.monotonic() + budget, 0
     for groups, dcp in scope():
         if time.monotonic() > deadline:
-            return Outcome(UNREFUTED, detail=f"budget spent after {count:,} layouts")
+            return Outcome(INCOMPLETE, detail=f"budget spent after {count:,} layouts")
         if dcp == 1 or _valid(groups, dcp) is None:
             continue
         if not any(g.kind is MAMBA and g.mamba_cache_mode is MambaCacheMode.ALIGN for g in groups):
@@ -158,7 +167,7 @@ def check_partial_complete(rule: PartialRule, budget: float) -> Outcome:
             )
     if count == 0:
         return Outcome(ERROR, detail="the scope holds no DCP layout the property applies to")
-    return Outcome(UNREFUTED, detail=f"{count:,} DCP layouts, partial hits on in each")
+    return Outcome(CHECKED, detail=f"{count:,} DCP layouts, partial hits on in each")
 
 
 OBLIGATIONS = (
@@ -171,7 +180,6 @@ OBLIGATIONS = (
         "exhaustive",
         "every layout of <= 3 groups in scope resolves with every geometry contract holding",
         check_layouts,
-        weight=3.0,
     ),
     Obligation(
         "EXH-PARTIAL-DCP-COMPLETE",

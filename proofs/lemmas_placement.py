@@ -268,7 +268,7 @@ OBLIGATIONS = (
     lemma_obligation(
         "LEM-SLOT-INDEX-SHARDED", ("INV-SLOT-INDEX-BOUND", "INV-SLOT-TABLE-INDEX", "INV-DCP-LOCAL-IN-BLOCK"),
         "sharded: local offset inside the local page, index read == p // (bs*D) < width when p < L <= max_len",
-        SLOT_INDEX_SHARDED, weight=2.0,
+        SLOT_INDEX_SHARDED,
     ),
     lemma_obligation(
         "LEM-SLOT-INDEX-REPLICATED", ("INV-SLOT-INDEX-BOUND", "INV-SLOT-TABLE-INDEX"),
@@ -277,7 +277,7 @@ OBLIGATIONS = (
     lemma_obligation(
         "LEM-LOCAL-INJECTIVE", ("INV-DCP-SLOT-DISTINCT",),
         "local_position is strictly increasing per rank (so one rank's slots are distinct)",
-        LOCAL_DIGITS, LOCAL_ORDER, weight=2.0,
+        LOCAL_DIGITS, LOCAL_ORDER,
     ),
     lemma_obligation(
         "LEM-LOCAL-LEN-COUNT", ("INV-DCP-LOCAL-LEN-SUM",),

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import icontract
 
-from kvproof.proofs.registry import REFUTED, UNREFUTED, Obligation, Outcome, violation_summary
+from kvproof.proofs.registry import CHECKED, INCOMPLETE, REFUTED, Obligation, Outcome, violation_summary
 from kvproof.spec.geometry import max_num_blocks_per_req
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.placement import PAD_SLOT, local_seq_lens, owning_ranks, slot_mapping
@@ -65,7 +65,7 @@ def check_slot_mapping(mapping: SlotMapping, budget: float) -> Outcome:
         group = CacheGroup(kind, bs)
         for max_len in range(1, 2 * bs * dcp + 2):
             if time.monotonic() > deadline:
-                return Outcome(UNREFUTED, detail=f"budget spent after {count:,} mappings")
+                return Outcome(INCOMPLETE, detail=f"budget spent after {count:,} mappings")
             row, positions = _row(group, dcp, max_len), tuple(range(max_len))
             where = f"dcp {dcp}, interleave {il}, block_size {bs}, {'sharded' if sharded else 'replicated'}, max_len {max_len}"
             for rank in range(dcp):
@@ -86,7 +86,7 @@ def check_slot_mapping(mapping: SlotMapping, budget: float) -> Outcome:
                     ranks = owning_ranks(p, bs, dcp, il, sharded)  # INV-DCP-OWNER-UNIQUE contract
                     if sharded and dcp > 1 and len(ranks) != 1:
                         return Outcome(REFUTED, counterexample=f"{where}: position {p} kept by ranks {ranks}")
-    return Outcome(UNREFUTED, detail=f"{count:,} (config, max_len, rank) mappings equal the reference")
+    return Outcome(CHECKED, detail=f"{count:,} (config, max_len, rank) mappings equal the reference")
 
 
 def check_local_seq_lens(budget: float) -> Outcome:
@@ -97,7 +97,7 @@ def check_local_seq_lens(budget: float) -> Outcome:
             owned = [0] * dcp
             for n in range(0, 4 * dcp * il + 2):
                 if time.monotonic() > deadline:
-                    return Outcome(UNREFUTED, detail=f"budget spent after {count:,} lengths")
+                    return Outcome(INCOMPLETE, detail=f"budget spent after {count:,} lengths")
                 try:
                     lens = local_seq_lens(n, dcp, il)
                 except icontract.ViolationError as e:
@@ -106,7 +106,7 @@ def check_local_seq_lens(budget: float) -> Outcome:
                     return Outcome(REFUTED, counterexample=f"n {n}, dcp {dcp}, interleave {il}: {lens} != owned {owned}")
                 owned[(n // il) % dcp] += 1  # position n joins its owner's local sequence
                 count += 1
-    return Outcome(UNREFUTED, detail=f"{count:,} (n, dcp, interleave) triples")
+    return Outcome(CHECKED, detail=f"{count:,} (n, dcp, interleave) triples")
 
 
 OBLIGATIONS = (
@@ -117,7 +117,6 @@ OBLIGATIONS = (
         "exhaustive",
         "every rank's slot mapping equals the first-principles reference and never reads past its row",
         lambda budget: check_slot_mapping(slot_mapping, budget),
-        weight=2.0,
     ),
     Obligation(
         "EXH-LOCAL-SEQ-LENS",

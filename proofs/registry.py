@@ -15,12 +15,15 @@ import dataclasses
 import importlib
 from typing import Callable
 
-PROVED = "proved"  # for every input: z3 proved the negation unsat, or the whole finite domain was checked
-UNREFUTED = "unrefuted"  # no counterexample within the budget (CrossHair, bounded enumeration)
-REFUTED = "refuted"  # a counterexample, kept in Outcome.counterexample
-ERROR = "error"  # the checker itself failed (a crash, a z3 model that no longer mirrors the spec)
+PROVED = "proved"  # for every input: z3 proved each step, or CrossHair confirmed every path
+CHECKED = "checked"  # every case of a fixed, finite scope ran and none failed (no claim beyond it)
+REFUTED = "refuted"  # a counterexample, replayed concretely, in Outcome.counterexample
+TIMEOUT = "timeout"  # the checker hit its time limit before deciding (z3 "unknown", CrossHair "not confirmed")
+INCOMPLETE = "incomplete"  # a bounded check ran out of budget before covering its scope
+ERROR = "error"  # the checker itself failed (a crash, a tool error, a model that no longer mirrors the spec)
 
-VERDICTS = (PROVED, UNREFUTED, REFUTED, ERROR)
+#: Verdicts that discharge a (real) obligation; every other verdict means it did not complete.
+COMPLETE = (PROVED, CHECKED)
 CANARY_PREFIX = "CANARY-"
 
 
@@ -33,24 +36,24 @@ class Outcome:
 
 @dataclasses.dataclass(frozen=True)
 class Obligation:
-    """One thing to discharge. ``weight`` is its share of the time budget (relative)."""
+    """One thing to discharge. ``check(seconds_left)`` must return within about that long."""
 
     id: str
     invariants: tuple[str, ...]
     method: str
     statement: str
     check: Callable[[float], Outcome]
-    weight: float = 1.0
 
     @property
     def is_canary(self) -> bool:
         return self.id.startswith(CANARY_PREFIX)
 
     def failed(self, outcome: Outcome) -> bool:
-        """A real obligation fails when refuted (or the checker broke); a canary when it is not refuted."""
+        """A real obligation fails unless it completed (proved, or its whole scope checked); a
+        canary fails unless it is refuted."""
         if self.is_canary:
             return outcome.verdict != REFUTED
-        return outcome.verdict in (REFUTED, ERROR)
+        return outcome.verdict not in COMPLETE
 
 
 def violation_summary(error: BaseException) -> str:

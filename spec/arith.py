@@ -7,22 +7,24 @@ import math
 import icontract
 
 
-@icontract.require(lambda a: a >= 0, error=lambda a: ValueError(f"cdiv numerator {a} must be >= 0"))
-@icontract.require(lambda b: b > 0, error=lambda b: ValueError(f"cdiv divisor {b} must be > 0"))
+@icontract.require(lambda a: a >= 0, error=lambda a: ValueError(f"cdiv numerator {a} must be >= 0"), enabled=True)
+@icontract.require(lambda b: b > 0, error=lambda b: ValueError(f"cdiv divisor {b} must be > 0"), enabled=True)
 @icontract.ensure(
     lambda a, b, result: result * b >= a > (result - 1) * b or (a == 0 and result == 0),
     "INV-ARITH-CDIV: cdiv(a, b) is the least k with k*b >= a",
+    enabled=True,
 )
 def cdiv(a: int, b: int) -> int:
     """Ceiling division ``ceil(a / b)`` for ``a >= 0, b > 0``."""
     return -(-a // b)
 
 
-@icontract.require(lambda x: x >= 0, error=lambda x: ValueError(f"floor_to value {x} must be >= 0"))
-@icontract.require(lambda a: a > 0, error=lambda a: ValueError(f"floor_to alignment {a} must be > 0"))
+@icontract.require(lambda x: x >= 0, error=lambda x: ValueError(f"floor_to value {x} must be >= 0"), enabled=True)
+@icontract.require(lambda a: a > 0, error=lambda a: ValueError(f"floor_to alignment {a} must be > 0"), enabled=True)
 @icontract.ensure(
     lambda x, a, result: result % a == 0 and result <= x < result + a,
     "INV-ARITH-FLOOR: floor_to(x, a) is the largest multiple of a that is <= x",
+    enabled=True,
 )
 def floor_to(x: int, a: int) -> int:
     """Round ``x`` down to a multiple of ``a``."""

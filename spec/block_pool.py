@@ -152,25 +152,27 @@ def _replace(t: tuple, index: int, value: object) -> tuple:
 # --- operations (pure: each returns a new state) ---------------------------------------------
 
 
-@icontract.require(lambda num_blocks: num_blocks >= 1, error=lambda num_blocks: ValueError(f"num_blocks {num_blocks} must be >= 1 (block 0 is the null block)"))
-@icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: the initial pool is well formed")
+@icontract.require(lambda num_blocks: num_blocks >= 1, error=lambda num_blocks: ValueError(f"num_blocks {num_blocks} must be >= 1 (block 0 is the null block)"), enabled=True)
+@icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: the initial pool is well formed", enabled=True)
 def initial(num_blocks: int) -> PoolState:
     """A pool of ``num_blocks`` blocks; blocks 1..num_blocks-1 are free, in id order."""
     zeros = (0,) * num_blocks
     return PoolState(ref=zeros, key=(None,) * num_blocks, ntok=zeros, stamp=zeros, free=tuple(range(1, num_blocks)))
 
 
-@icontract.require(lambda n: isinstance(n, int) and n >= 0, error=lambda n: ValueError(f"allocate: block count {n} must be an int >= 0"))
+@icontract.require(lambda n: isinstance(n, int) and n >= 0, error=lambda n: ValueError(f"allocate: block count {n} must be an int >= 0"), enabled=True)
 @icontract.ensure(
     lambda s, n, result: result is None if n > len(s.free) else len(result[1]) == n,
     "INV-POOL-ATOMIC: allocate(n) with n > num_free fails (None) and changes nothing",
+    enabled=True,
 )
 @icontract.ensure(
     lambda result: result is None
     or all(result[0].ref[b] == 1 and result[0].key[b] is None and b != NULL_BLOCK for b in result[1]),
     "INV-POOL-ALLOC-FRESH: allocated blocks are real, have ref 1 and no key",
+    enabled=True,
 )
-@icontract.ensure(lambda result: result is None or well_formed(result[0]), "INV-POOL-CONSERVE: allocate keeps the pool well formed")
+@icontract.ensure(lambda result: result is None or well_formed(result[0]), "INV-POOL-CONSERVE: allocate keeps the pool well formed", enabled=True)
 def allocate(s: PoolState, n: int) -> Optional[tuple[PoolState, tuple[int, ...]]]:
     """Pop ``n`` blocks from the head of the free queue, evicting their keys; None if fewer are free."""
     if n > len(s.free):
@@ -185,13 +187,15 @@ def allocate(s: PoolState, n: int) -> Optional[tuple[PoolState, tuple[int, ...]]
 @icontract.require(
     lambda s, blocks: all(_in_range(s, b) for b in blocks),
     error=lambda s, blocks: ValueError(f"touch: block ids {list(blocks)} must lie in [0, {s.num_blocks})"),
+    enabled=True,
 )
 @icontract.require(
     lambda s, blocks: not all(_in_range(s, b) for b in blocks)
     or all(b == NULL_BLOCK or s.ref[b] > 0 or s.key[b] is not None for b in blocks),
     error=lambda s, blocks: ValueError(f"INV-POOL-FREE-IFF-UNREF: touch of a free block without a key in {list(blocks)}"),
+    enabled=True,
 )
-@icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: touch keeps the pool well formed")
+@icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: touch keeps the pool well formed", enabled=True)
 def touch(s: PoolState, blocks: Sequence[int]) -> PoolState:
     """Take one more reference on each block (a cache hit); a ref-0 block leaves the free queue."""
     ref = list(s.ref)
@@ -208,13 +212,15 @@ def touch(s: PoolState, blocks: Sequence[int]) -> PoolState:
 @icontract.require(
     lambda s, blocks: all(_in_range(s, b) for b in blocks),
     error=lambda s, blocks: ValueError(f"free: block ids {list(blocks)} must lie in [0, {s.num_blocks})"),
+    enabled=True,
 )
 @icontract.require(
     lambda s, blocks: not all(_in_range(s, b) for b in blocks)
     or all(s.ref[b] >= c for b, c in Counter(b for b in blocks if b != NULL_BLOCK).items()),
     error=lambda s, blocks: ValueError(f"INV-POOL-REF-NONNEG: free of {list(blocks)} would drive a ref count negative"),
+    enabled=True,
 )
-@icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: free keeps the pool well formed")
+@icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: free keeps the pool well formed", enabled=True)
 def free(s: PoolState, blocks: Sequence[int]) -> PoolState:
     """Drop one reference per listed block; blocks reaching 0 join the free queue.
 
@@ -254,16 +260,19 @@ _CACHE_PRECONDITIONS = (
         error=lambda s, block: ValueError(
             f"INV-POOL-HELD-TO-CACHE: block {block} must be a real block ([1, {s.num_blocks})) with ref > 0"
         ),
+        enabled=True,
     ),
     icontract.require(
         lambda num_tokens: isinstance(num_tokens, int) and num_tokens > 0,
         error=lambda num_tokens: ValueError(f"cache: num_tokens {num_tokens} must be an int > 0"),
+        enabled=True,
     ),
     icontract.require(
         lambda s, key, num_tokens: not (isinstance(num_tokens, int) and num_tokens > 0) or _length_agrees(s, key, num_tokens),
         error=lambda s, key, num_tokens: ValueError(
             f"INV-POOL-KEY-LENGTH: key already names a prefix of a different length than {num_tokens}"
         ),
+        enabled=True,
     ),
 )
 
@@ -283,12 +292,14 @@ def _with_cache_preconditions(fn):
         f"INV-POOL-NO-STALE-PARTIAL: block {block} already covers {s.ntok[block]} tokens; "
         f"a full key at {num_tokens} would go backwards"
     ),
+    enabled=True,
 )
 @icontract.ensure(
     lambda block, key, num_tokens, result: result[0].key[block] == key and result[0].ntok[block] == num_tokens,
     "INV-POOL-NO-STALE-PARTIAL: after cache_full the block's one key is the full key",
+    enabled=True,
 )
-@icontract.ensure(lambda result: well_formed(result[0]), "INV-POOL-CONSERVE: cache_full keeps the pool well formed")
+@icontract.ensure(lambda result: well_formed(result[0]), "INV-POOL-CONSERVE: cache_full keeps the pool well formed", enabled=True)
 def cache_full(s: PoolState, block: int, key: Key, num_tokens: int) -> tuple[PoolState, bool]:
     """Name a held block by its full-block key; a shorter (partial) key on it is retired (promotion).
 
@@ -303,13 +314,15 @@ def cache_full(s: PoolState, block: int, key: Key, num_tokens: int) -> tuple[Poo
 @icontract.ensure(
     lambda s, result: result[1] is not None or result[0] == s,
     "INV-POOL-ATOMIC: a refused cache_partial changes nothing",
+    enabled=True,
 )
 @icontract.ensure(
     lambda s, block, key, num_tokens, replace, result: result[1] is not None
     or (not replace and s.key[block] != key and s.ntok[block] >= num_tokens),
     "INV-POOL-NO-STALE-PARTIAL: cache_partial refuses exactly a boundary the block already covers",
+    enabled=True,
 )
-@icontract.ensure(lambda result: well_formed(result[0]), "INV-POOL-CONSERVE: cache_partial keeps the pool well formed")
+@icontract.ensure(lambda result: well_formed(result[0]), "INV-POOL-CONSERVE: cache_partial keeps the pool well formed", enabled=True)
 def cache_partial(
     s: PoolState, block: int, key: Key, num_tokens: int, replace: bool = False
 ) -> tuple[PoolState, Optional[bool]]:
@@ -330,9 +343,10 @@ def cache_partial(
 @icontract.require(
     lambda s, blocks: all(_is_real(s, b) for b in blocks),
     error=lambda s, blocks: ValueError(f"evict: block ids {list(blocks)} must lie in [1, {s.num_blocks})"),
+    enabled=True,
 )
-@icontract.ensure(lambda blocks, result: all(result.key[b] is None for b in blocks), "INV-POOL-KEY-CONSISTENT: evicted blocks have no key")
-@icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: evict keeps the pool well formed")
+@icontract.ensure(lambda blocks, result: all(result.key[b] is None for b in blocks), "INV-POOL-KEY-CONSISTENT: evicted blocks have no key", enabled=True)
+@icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: evict keeps the pool well formed", enabled=True)
 def evict(s: PoolState, blocks: Sequence[int]) -> PoolState:
     """Drop the key of each listed block; ref counts and the free queue are unchanged."""
     key, ntok = list(s.key), list(s.ntok)
@@ -344,9 +358,10 @@ def evict(s: PoolState, blocks: Sequence[int]) -> PoolState:
 @icontract.ensure(
     lambda s, result: result[1] == all(r == 0 for r in s.ref),
     "INV-POOL-RESET-IDLE: reset succeeds exactly when no real block is in use",
+    enabled=True,
 )
-@icontract.ensure(lambda s, result: result[1] or result[0] == s, "INV-POOL-ATOMIC: a refused reset changes nothing")
-@icontract.ensure(lambda result: not result[1] or all(k is None for k in result[0].key), "INV-POOL-KEY-CONSISTENT: reset drops every key")
+@icontract.ensure(lambda s, result: result[1] or result[0] == s, "INV-POOL-ATOMIC: a refused reset changes nothing", enabled=True)
+@icontract.ensure(lambda result: not result[1] or all(k is None for k in result[0].key), "INV-POOL-KEY-CONSISTENT: reset drops every key", enabled=True)
 def reset(s: PoolState) -> tuple[PoolState, bool]:
     """Drop every key if no block is in use (free-queue order kept); otherwise refuse (False)."""
     if any(r > 0 for r in s.ref):
@@ -358,13 +373,15 @@ def reset(s: PoolState) -> tuple[PoolState, bool]:
 @icontract.require(
     lambda s, src, dst: _cacheable(s, src) and _cacheable(s, dst) and src != dst,
     error=lambda s, src, dst: ValueError(f"INV-POOL-HELD-TO-CACHE: move_key needs two distinct held real blocks, got {src} -> {dst}"),
+    enabled=True,
 )
 @icontract.require(
     lambda s, src, dst: not (_in_range(s, src) and _in_range(s, dst)) or (s.key[src] is not None and s.key[dst] is None),
     error=lambda s, src, dst: ValueError(f"move_key: block {src} must have a key and block {dst} none"),
+    enabled=True,
 )
-@icontract.ensure(lambda s, src, dst, result: result.key[dst] == s.key[src] and result.key[src] is None, "INV-POOL-KEY-CONSISTENT: the key moved")
-@icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: move_key keeps the pool well formed")
+@icontract.ensure(lambda s, src, dst, result: result.key[dst] == s.key[src] and result.key[src] is None, "INV-POOL-KEY-CONSISTENT: the key moved", enabled=True)
+@icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: move_key keeps the pool well formed", enabled=True)
 def move_key(s: PoolState, src: int, dst: int) -> PoolState:
     """Move src's key (and its length and age) to dst: the running Mamba owner keeps writing src."""
     key = _replace(_replace(s.key, dst, s.key[src]), src, None)

@@ -1,19 +1,72 @@
 """Shared switches and helpers for the contracts of every layer.
 
 Contracts come in two tiers (docs/spec.md, "Tiers"):
-- cheap: O(1) or O(blocks touched); always on, also in staging;
-- slow: whole-state checks; on only when ``ICONTRACT_SLOW`` is set in the environment
-  (the test suite sets it) or when a caller flips :data:`SLOW` explicitly.
+- cheap: O(1) or O(blocks touched); always on, ``python -O`` or not;
+- slow: whole-state checks; on while *the slow switch* is on.
+
+The slow switch is the one place that says whether slow-tier checks run. It starts from the
+environment (``ICONTRACT_SLOW=1``; the test suite sets it) and is read at call time, so it can
+be flipped at any moment: :func:`set_slow`, or :func:`slow_checks` for a block. Slow-tier
+icontract conditions are attached with :func:`slow_tier`, whose wrapper costs one branch per
+call while the switch is off.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import os
+from typing import Callable, Iterator
 
-#: Whole-state (slow-tier) checks are enabled. Read once at import: icontract binds
-#: ``enabled=`` when the decorator runs, so flipping it later affects only ``_check()`` calls
-#: that consult it at run time.
-SLOW: bool = os.environ.get("ICONTRACT_SLOW", "").lower() not in ("", "0", "false", "no")
+_slow: bool = os.environ.get("ICONTRACT_SLOW", "").lower() not in ("", "0", "false", "no")
+
+
+def slow() -> bool:
+    """Whether slow-tier (whole-state) checks run now. No state change."""
+    return _slow
+
+
+def set_slow(on: bool) -> None:
+    """Mutates the process-wide switch: slow-tier checks run from now on iff ``on``."""
+    global _slow
+    if not isinstance(on, bool):
+        raise ValueError(f"the slow switch takes a bool, got {on!r}")
+    _slow = on
+
+
+@contextlib.contextmanager
+def slow_checks(on: bool = True) -> Iterator[None]:
+    """Turn the slow switch to ``on`` inside the block and back to what it was after."""
+    before = _slow
+    set_slow(on)
+    try:
+        yield
+    finally:
+        set_slow(before)
+
+
+def slow_tier(checked: Callable) -> Callable:
+    """Make the icontract conditions stacked under this decorator slow-tier: they run only while
+    the slow switch is on, decided at each call; with it off a call costs one branch more than
+    the bare function. Give those conditions ``enabled=True`` so that ``python -O`` does not
+    remove them when the switch asks for them. Cheap conditions go above this decorator."""
+    bare = inspect.unwrap(checked)
+
+    @functools.wraps(bare)
+    def dispatch(*args, **kwargs):
+        if _slow:
+            return checked(*args, **kwargs)
+        return bare(*args, **kwargs)
+
+    return dispatch
+
+
+def __getattr__(name: str):
+    # ``contracts.SLOW`` (read only) for callers not yet moved to slow(); it is the same switch.
+    if name == "SLOW":
+        return _slow
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class InvariantViolation(AssertionError):
@@ -45,8 +98,8 @@ def guard_like(real, body):
 
     guarded = body
     for contract in reversed(getattr(real, "__postconditions__", [])):
-        guarded = icontract.ensure(contract.condition, contract.description)(guarded)
+        guarded = icontract.ensure(contract.condition, contract.description, enabled=True)(guarded)
     for group in getattr(real, "__preconditions__", []):
         for contract in reversed(group):
-            guarded = icontract.require(contract.condition, contract.description, error=contract.error)(guarded)
+            guarded = icontract.require(contract.condition, contract.description, error=contract.error, enabled=True)(guarded)
     return guarded

@@ -20,14 +20,10 @@ import icontract
 
 from kvproof.spec.arith import cdiv, gcd_all, lcm_all
 from kvproof.spec.groups import CacheGroup, GroupKind, MambaCacheMode
+from kvproof.spec.placement import table_index
 
 #: Bytes of one block-table entry (int32 block ids).
 TABLE_ENTRY_BYTES = 4
-
-
-def _check_dcp(dcp: int) -> None:
-    if isinstance(dcp, bool) or not isinstance(dcp, int) or dcp < 1:
-        raise ValueError(f"dcp {dcp!r} must be an integer >= 1")
 
 
 # --------------------------------------------------------------------------------------------
@@ -35,7 +31,18 @@ def _check_dcp(dcp: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@icontract.require(lambda dcp: dcp >= 1, error=lambda dcp: ValueError(f"dcp {dcp} must be >= 1"))
+def _one_block_spans(group: CacheGroup, dcp: int, result: int) -> bool:
+    """Positions 0 .. result-1 share block 0 of the row and position ``result`` opens block 1."""
+    sharded = group.is_sharded
+    return (
+        result >= 1
+        and table_index(result - 1, group.block_size, dcp, sharded) == 0
+        and table_index(result, group.block_size, dcp, sharded) == 1
+    )
+
+
+
+@icontract.require(lambda dcp: dcp >= 1, error=lambda dcp: ValueError(f"dcp {dcp} must be >= 1"), enabled=True)
 @icontract.require(
     lambda group: group.kind is not GroupKind.MAMBA or not group.is_sharded,
     "INV-GEOM-MAMBA-REPLICATED: Mamba state is replicated, so a Mamba block covers block_size "
@@ -43,20 +50,24 @@ def _check_dcp(dcp: int) -> None:
     error=lambda group: ValueError(
         f"INV-GEOM-MAMBA-REPLICATED: {group.label} is marked DCP-sharded; Mamba state is replicated on every rank"
     ),
+    enabled=True,
 )
 @icontract.ensure(
-    lambda group, dcp, result: result == group.block_size * (dcp if group.is_sharded else 1),
-    "INV-GEOM-EFFECTIVE-BLOCK: B_g = block_size * dcp for sharded groups, block_size otherwise",
+    lambda group, dcp, result: _one_block_spans(group, dcp, result),
+    "INV-GEOM-EFFECTIVE-BLOCK: B_g is the number of consecutive positions the placement puts in "
+    "one block id (block_size * dcp for sharded groups, block_size otherwise)",
+    enabled=True,
 )
 def effective_block_size(group: CacheGroup, dcp: int) -> int:
     """Global token positions covered by one block id of ``group`` (B_g)."""
     return group.block_size * dcp if group.is_sharded else group.block_size
 
 
-@icontract.require(lambda groups: len(groups) > 0, error=lambda groups: ValueError("at least one cache group is required"))
+@icontract.require(lambda groups: len(groups) > 0, error=lambda groups: ValueError("at least one cache group is required"), enabled=True)
 @icontract.ensure(
     lambda groups, dcp, result: all(result % effective_block_size(g, dcp) == 0 for g in groups),
     "INV-GEOM-SCHED-LCM: every group's effective block size divides the scheduler block size",
+    enabled=True,
 )
 def scheduler_block_size(groups: tuple[CacheGroup, ...], dcp: int) -> int:
     """S: the least token count that is a whole number of blocks in every group."""
@@ -72,10 +83,11 @@ def _hash_divides_cacheable(groups: tuple[CacheGroup, ...], dcp: int, result: in
     return all(b % result == 0 for b in sizes) and scheduler_block_size(groups, dcp) % result == 0
 
 
-@icontract.require(lambda groups: len(groups) > 0, error=lambda groups: ValueError("at least one cache group is required"))
+@icontract.require(lambda groups: len(groups) > 0, error=lambda groups: ValueError("at least one cache group is required"), enabled=True)
 @icontract.ensure(
     lambda groups, dcp, result: _hash_divides_cacheable(groups, dcp, result),
     "INV-GEOM-HASH-DIVIDES: H divides every prefix-cacheable effective block size and S",
+    enabled=True,
 )
 def hash_block_size(groups: tuple[CacheGroup, ...], dcp: int, explicit: int | None = None) -> int:
     """H: the granularity of the chained request hashes.
@@ -148,28 +160,60 @@ def mamba_allows_partial_hits(group: CacheGroup, dcp: int, hash_size: int) -> bo
     return group.block_size > hash_size if dcp == 1 else group.block_size >= hash_size
 
 
+def _restores_every_hash_boundary(group: CacheGroup, dcp: int, hash_size: int) -> bool:
+    """Whether ``group`` can hand back a prefix ending at every multiple N of H, judged from
+    where the placement puts N: at a block boundary (N is the first position of a block id)
+    every kind can; inside a block only a kind that can look up a partial block can. One period
+    of the block grid (N up to the block's span times H) covers every case."""
+    if group.kind.supports_fine_grained_lookup:
+        return True
+    sharded = group.is_sharded
+    for k in range(1, group.block_size * (dcp if sharded else 1) + 1):
+        n = k * hash_size
+        if table_index(n, group.block_size, dcp, sharded) == table_index(n - 1, group.block_size, dcp, sharded):
+            return False  # N - 1 and N share a block: the hit would end inside it
+    return True
+
+
+def _hash_boundary_inside_a_mamba_block(groups: tuple[CacheGroup, ...], dcp: int, hash_size: int) -> bool:
+    """Some align-mode Mamba group has a multiple of H strictly inside one of its blocks (TP), or,
+    under DCP, a block that is a whole number (>= 1) of hash blocks."""
+    for g in groups:
+        if g.kind is not GroupKind.MAMBA or g.mamba_cache_mode is not MambaCacheMode.ALIGN:
+            continue
+        if dcp == 1 and any(n % hash_size == 0 for n in range(1, g.block_size)):
+            return True
+        if dcp > 1 and g.block_size % hash_size == 0:
+            return True
+    return False
+
+
 def _partial_rule_holds(groups, dcp, hash_size, allow, result) -> bool:
+    """INV-GEOM-PARTIAL-RULE from first principles: hits at hash granularity are on only if asked
+    for, only if every prefix-cacheable group can hand back a prefix ending at every multiple of
+    H, and only if a Mamba group gains from them."""
     if not result.enabled:
         return True
-    coarse = [
-        g for g in groups
-        if g.prefix_cacheable
-        and not g.kind.supports_fine_grained_lookup
-        and effective_block_size(g, dcp) != hash_size
-    ]
-    return allow and not coarse and any(mamba_allows_partial_hits(g, dcp, hash_size) for g in groups)
+    return (
+        allow
+        and all(_restores_every_hash_boundary(g, dcp, hash_size) for g in groups if g.prefix_cacheable)
+        and _hash_boundary_inside_a_mamba_block(groups, dcp, hash_size)
+    )
 
 
 @icontract.ensure(
     lambda groups, dcp, hash_size, allow, result: _partial_rule_holds(groups, dcp, hash_size, allow, result),
-    "INV-GEOM-PARTIAL-RULE: partial hits only with an align Mamba block > H (TP) or >= H (DCP) "
-    "and no coarse-lookup group whose effective block differs from H",
+    "INV-GEOM-PARTIAL-RULE: partial hits only when asked for, when every prefix-cacheable group can "
+    "restore a prefix ending at any multiple of H, and when an align Mamba block holds a hash "
+    "boundary strictly inside it (TP) or is a whole number of hash blocks (DCP)",
+    enabled=True,
 )
 @icontract.ensure(
     lambda groups, dcp, hash_size, result: not result.enabled
     or all(effective_block_size(g, dcp) % hash_size == 0 for g in groups if g.prefix_cacheable),
     "INV-GEOM-PARTIAL-GRID: with partial hits on, every hash boundary inside a block lies on "
     "the hash grid of every prefix-cacheable group (H divides each B_g)",
+    enabled=True,
 )
 def partial_hash_hits(
     groups: tuple[CacheGroup, ...], dcp: int, hash_size: int, allow: bool = True
@@ -201,6 +245,7 @@ def partial_hash_hits(
 @icontract.ensure(
     lambda scheduler_size, hash_size, result: scheduler_size % result == 0 and result % hash_size == 0,
     "INV-GEOM-HIT-ALIGN: H divides the cache-hit alignment A, and A divides S",
+    enabled=True,
 )
 def cache_hit_alignment(scheduler_size: int, hash_size: int, partial: bool) -> int:
     """A: hits land on multiples of H with partial hits, else on whole scheduler blocks."""
@@ -215,28 +260,29 @@ def cache_hit_alignment(scheduler_size: int, hash_size: int, partial: bool) -> i
 def table_entries_needed(group: CacheGroup, dcp: int, num_tokens: int) -> int:
     """The most block-table entries a request of ``num_tokens`` tokens can occupy in ``group``.
 
-    This states *demand* from first principles, independently of how widths are sized:
-    a sharded group indexes its table by virtual block ``pos // (block_size * dcp)``; a
-    replicated align-mode Mamba group indexes by ``pos // block_size`` on every rank and may
-    append ``num_speculative_blocks`` more; Mamba ``none`` keeps one state (plus speculative).
+    Demand, stated from where the placement (``spec.placement.table_index``) puts positions,
+    not from how widths are sized: one entry past the largest row index of any position below
+    ``num_tokens`` -- the last position's, since a later position never maps to an earlier
+    block -- plus the speculative blocks a Mamba group appends. Mamba ``none`` overwrites one
+    running state in place: one entry (plus speculative).
     """
-    if group.kind is GroupKind.MAMBA:
-        if group.mamba_cache_mode is MambaCacheMode.NONE:
-            return 1 + group.num_speculative_blocks
-        return cdiv(num_tokens, group.block_size) + group.num_speculative_blocks
-    return cdiv(num_tokens, effective_block_size(group, dcp))
+    speculative = group.num_speculative_blocks if group.kind is GroupKind.MAMBA else 0
+    if group.kind is GroupKind.MAMBA and group.mamba_cache_mode is MambaCacheMode.NONE:
+        return 1 + speculative
+    return table_index(num_tokens - 1, group.block_size, dcp, group.is_sharded) + 1 + speculative
 
 
 def _width_covers_demand(group: CacheGroup, dcp: int, max_len: int, result: int) -> bool:
     return result >= table_entries_needed(group, dcp, max_len)
 
 
-@icontract.require(lambda max_len: max_len > 0, error=lambda max_len: ValueError(f"max_model_len {max_len} must be > 0"))
-@icontract.require(lambda dcp: dcp >= 1, error=lambda dcp: ValueError(f"dcp {dcp} must be >= 1"))
+@icontract.require(lambda max_len: max_len > 0, error=lambda max_len: ValueError(f"max_model_len {max_len} must be > 0"), enabled=True)
+@icontract.require(lambda dcp: dcp >= 1, error=lambda dcp: ValueError(f"dcp {dcp} must be >= 1"), enabled=True)
 @icontract.ensure(
     _width_covers_demand,
     "INV-TABLE-WIDTH: the row holds every entry a request of max_len tokens can use "
     "(replicated Mamba: ceil(max_len / block_size) + speculative, never divided by DCP)",
+    enabled=True,
 )
 def max_num_blocks_per_req(group: CacheGroup, dcp: int, max_len: int) -> int:
     """Row length of the worker block table for ``group``.
@@ -252,16 +298,18 @@ def max_num_blocks_per_req(group: CacheGroup, dcp: int, max_len: int) -> int:
     return cdiv(max_len, effective_block_size(group, dcp))
 
 
-@icontract.require(lambda num_blocks: num_blocks >= 0, error=lambda num_blocks: ValueError(f"num_blocks {num_blocks} must be >= 0"))
-@icontract.require(lambda block_size: block_size > 0, error=lambda block_size: ValueError(f"block_size {block_size} must be > 0"))
+@icontract.require(lambda num_blocks: num_blocks >= 0, error=lambda num_blocks: ValueError(f"num_blocks {num_blocks} must be >= 0"), enabled=True)
+@icontract.require(lambda block_size: block_size > 0, error=lambda block_size: ValueError(f"block_size {block_size} must be > 0"), enabled=True)
 @icontract.require(
     lambda token_alignment: token_alignment is None or token_alignment > 0,
     error=lambda token_alignment: ValueError(f"token_alignment {token_alignment} must be None or > 0"),
+    enabled=True,
 )
 @icontract.ensure(
     lambda num_blocks, block_size, token_alignment, result: num_blocks <= result
     and (token_alignment is None or result < num_blocks + token_alignment // math.gcd(token_alignment, block_size)),
     "INV-TABLE-PAD: the padded width is the least multiple of the entry alignment >= num_blocks",
+    enabled=True,
 )
 def block_table_width(num_blocks: int, block_size: int, token_alignment: int | None) -> int:
     """Pad a row length so that ``width * block_size`` is a multiple of ``token_alignment``

@@ -1,16 +1,97 @@
 """Test-wide settings: slow-tier contracts on, Hypothesis profiles without deadlines
-(timing belongs in benchmarks, and CI machines are shared)."""
+(timing belongs in benchmarks, and CI machines are shared).
+
+``HYPOTHESIS_PROFILE=thorough`` raises every property test and state machine to at least the
+profile's example count, also those that fix ``max_examples`` for the everyday run (Hypothesis
+itself lets such a test's own setting win over the profile); ``mutation`` (tools/mutation.py)
+caps every one at its count, derandomized, so that a mutant's verdict is repeatable.
+"""
 
 from __future__ import annotations
 
+import collections
 import os
+
+import pytest
 
 # Before any kvproof module is imported: whole-state (slow-tier) checks run in tests.
 os.environ.setdefault("ICONTRACT_SLOW", "1")
 
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, event, settings  # noqa: E402
 
 settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 settings.register_profile("thorough", deadline=None, max_examples=2000, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
+settings.register_profile(
+    "mutation", deadline=None, max_examples=30, derandomize=True, database=None,
+    suppress_health_check=list(HealthCheck),
+)
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default")
+settings.load_profile(PROFILE)
+
+
+def apply_profile(items, examples: int, at_least: bool) -> list[tuple[str, int]]:
+    """Give every Hypothesis test among ``items`` at least (``at_least``) or at most ``examples``
+    examples, with the loaded profile's other settings; returns ``(test id, max_examples)`` for
+    each. Mutates the tests' settings."""
+    pick = max if at_least else min
+    profile = settings.default
+    out = []
+    for item in items:
+        fn = getattr(item, "obj", None)
+        cls = getattr(item, "cls", None)
+        if fn is not None and hasattr(fn, "_hypothesis_internal_use_settings"):
+            own = fn._hypothesis_internal_use_settings
+            fn._hypothesis_internal_use_settings = settings(
+                own, max_examples=pick(own.max_examples, examples), derandomize=profile.derandomize, database=profile.database,
+            )
+            out.append((item.nodeid, fn._hypothesis_internal_use_settings.max_examples))
+        elif cls is not None and isinstance(getattr(cls, "settings", None), settings):  # a state machine's TestCase
+            cls.settings = settings(
+                cls.settings, max_examples=pick(cls.settings.max_examples, examples), derandomize=profile.derandomize,
+                database=profile.database,
+            )
+            out.append((item.nodeid, cls.settings.max_examples))
+    return out
+
+
+def pytest_collection_modifyitems(config, items):
+    if PROFILE not in ("thorough", "mutation"):
+        return
+    reached = apply_profile(items, settings.get_profile(PROFILE).max_examples, at_least=PROFILE == "thorough")
+    report = os.environ.get("KVPROOF_PROFILE_REPORT")
+    if report:  # tests/test_profiles.py reads which tests the profile reached
+        with open(report, "w") as f:
+            f.writelines(f"{nodeid}\t{n}\n" for nodeid, n in reached)
+
+
+class Reach:
+    """What a property test's generated cases reached: ``reach(label)`` counts a case (and
+    records it as a ``hypothesis.event``); ``reach.minimums`` is what a fixed-seed run must
+    reach, checked after the test's last example."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter = collections.Counter()
+        self.minimums: dict[str, int] = {}
+
+    def __call__(self, label: str) -> None:
+        self.counts[label] += 1
+        event(label)
+
+    def shortfall(self) -> dict[str, tuple[int, int]]:
+        return {k: (self.counts[k], m) for k, m in self.minimums.items() if self.counts[k] < m}
+
+
+#: Hypothesis reuses function-scoped fixtures across a test's examples, as ``reach`` wants.
+REACH_SETTINGS = dict(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@pytest.fixture
+def reach():
+    """Fails a fixed-seed run (the ``ci`` profile, derandomized) whose cases fall short of
+    ``reach.minimums``; other profiles' runs (random, or the mutation profile's few examples)
+    only record what they reached."""
+    r = Reach()
+    yield r
+    if PROFILE == "ci":
+        assert not r.shortfall(), f"generated cases reached too few: {r.shortfall()} of {dict(r.counts)}"

@@ -7,6 +7,7 @@ from kvproof.impl.block_pool import NULL_BLOCK
 from kvproof.impl.managers.base import SingleTypeManager
 from kvproof.impl.request import Request
 from kvproof.spec.contracts import InvariantViolation
+from kvproof.spec.retention import RetentionRule, keeps_state
 
 
 class MambaManager(SingleTypeManager):
@@ -18,17 +19,25 @@ class MambaManager(SingleTypeManager):
     key moves to the copy once the step has run. A hit at N not on a block boundary is copied
     for the new request too (the next chunk may land in the same block index). Older state
     blocks are released after the step that last read them, so a request holds at most two
-    real blocks (INV-MAMBA-REAL-BLOCKS). States are keyed where chunks end on a hash boundary:
-    block-aligned ones always (full-block keys), others only inside the prompt (prefill
-    checkpoints, partial keys) -- dense retention.
+    real blocks (INV-MAMBA-REAL-BLOCKS). States are keyed where chunks end on a hash boundary
+    and the retention policy keeps them (``kvproof.spec.retention``): block-aligned ones as
+    full-block keys, others (inside the prompt only) as partial keys.
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(
+        self, *args, retention_interval: int | None = None, scheduler_block_size: int = 0,
+        exact_junction: bool = False, **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         if not self.group.prefix_cacheable:
             # Mode 'none': one state block for the whole request, never keyed.
             self.block_size = 1 << 62
         self._spec = self.group.num_speculative_blocks
+        self.retention = RetentionRule(
+            retention_interval, self.block_size, self.hash_block_size, self.alignment,
+            scheduler_block_size or self.block_size, eagle=self.use_eagle,
+        )
+        self.exact_junction = exact_junction
         # request id -> state block index (-1: no state yet)
         self._state_index: dict[str, int] = {}
         # request id -> (cached state block, its copy): key moves once the step has run
@@ -149,14 +158,18 @@ class MambaManager(SingleTypeManager):
             )
         if n % h or n > request.hashed_len or not self.group.prefix_cacheable:
             return
+        if n % b and n > request.num_prompt_tokens:
+            return  # past the prompt a state mid-block is the running one: not a checkpoint
+        if not keeps_state(n, self.retention, num_prompt_tokens=request.num_prompt_tokens,
+                           junctions=request.junctions, exact_junction=self.exact_junction):
+            return
         block = table[index]
         key = (request.block_hashes[n // h - 1], self.group_id)
         if n % b == 0:
             if pool.key_of(block) != key and pool.cache_full(block, key, n):
                 self.ledger.keyed.add(block)
-        elif n <= request.num_prompt_tokens:
-            if pool.cache_partial(block, key, n, replace=True):
-                self.ledger.keyed.add(block)
+        elif pool.cache_partial(block, key, n, replace=True):
+            self.ledger.keyed.add(block)
 
     def check_real_blocks(self, request: Request) -> None:
         """INV-MAMBA-REAL-BLOCKS: at most two real blocks between steps (plus speculative)."""

@@ -10,7 +10,7 @@ Cheap tier (every call, O(blocks touched)):
 
 * lookups: the hit is on the cache-hit grid and inside the prompt (INV-HIT-BOUND), each group's
   block list realises it (INV-HIT-BLOCKS), a reported shared-prefix junction is sane
-  (INV-HIT-JUNCTION);
+  (INV-JUNCTION);
 * allocations: a failed one takes no block and orders no copy (INV-ALLOC-ATOMIC); a row never
   outgrows the worker's width (INV-TABLE-WIDTH); every copy-on-write source holds, when the
   step begins, exactly what the copy must carry, and no copy reads another's destination
@@ -36,6 +36,7 @@ nothing in that step.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 from kvproof.integrations.vllm.violations import ViolationSink
@@ -74,6 +75,8 @@ class ManagerChecker:
                             for g in groups]
         self.cacheable = [g.group.prefix_cacheable for g in groups]
         self.alignment = layout.cache_hit_alignment
+        self._groups = [(g, m, self.block[g], self.width[g], self.state_group[g], self.align_state[g])
+                        for g, m in enumerate(self.managers)]
         self.step = 0
         self.num_copies = 0
         self._filled: dict[int, int] = {}  # block id -> leading positions of its span with KV
@@ -169,7 +172,7 @@ class ManagerChecker:
                 )
         if junction and not (hit < junction <= limit and junction % self.alignment == 0):
             self.sink.report(
-                "INV-HIT-JUNCTION",
+                "INV-JUNCTION",
                 f"{self._where(request.request_id)}: shared-prefix junction {junction} must lie above the hit {hit}, "
                 f"at most {limit}, on the cache-hit grid of {self.alignment}",
             )
@@ -182,10 +185,8 @@ class ManagerChecker:
                         *args, **kwargs):
         rid = request.request_id
         self._request = rid
-        managers = self.managers
         free_before = self.pool.get_num_free_blocks()
-        pending_before = [len(m._pending_cow_copies) for m in managers]
-        rows_before = [len(m.req_to_blocks.get(rid, ())) for m in managers]
+        before = [(len(m._pending_cow_copies), len(m.req_to_blocks.get(rid, ()))) for m in self.managers]
         start = request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
         try:
             result = original(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
@@ -193,31 +194,45 @@ class ManagerChecker:
         finally:
             self._request = None
         if result is None:
-            self._check_failed_allocation(rid, free_before, pending_before, rows_before)
+            self._check_failed_allocation(rid, free_before, before)
             return None
         end = start + num_new_tokens
-        writes = self._writes.setdefault(rid, [])
-        for g, m in enumerate(managers):
+        writes = self._writes.get(rid)
+        if writes is None:
+            writes = self._writes[rid] = []
+        for g, m, block, width, state, align in self._groups:
             row = m.req_to_blocks.get(rid)
             if not row:
                 continue
-            if len(row) > self.width[g]:
+            if len(row) > width:
                 self.sink.report(
                     "INV-TABLE-WIDTH",
                     f"{self._where(rid)}, group {g} ({self.label[g]}): the row grows to {len(row):,} entries, "
-                    f"past the worker's width of {self.width[g]:,}",
+                    f"past the worker's width of {width:,}",
                 )
-            for src, dst in m._pending_cow_copies[pending_before[g]:]:
-                self._check_copy(g, rid, src.block_id, dst.block_id, start)
-            self._check_state_read(g, rid, row, start)
-            self._record_writes(g, row, start, end, writes)
+            pending, seen = m._pending_cow_copies, before[g][0]
+            if len(pending) > seen:
+                for src, dst in pending[seen:]:
+                    self._check_copy(g, rid, src.block_id, dst.block_id, start)
+            if state:
+                if align:  # the chunk reads the state at `start` and leaves the one at `end`
+                    if start:
+                        self._check_state_read(g, rid, row, start)
+                    writes.append((_STATE, row[table_index(end - 1, block, 1, False)].block_id, end, 0))
+                continue
+            first = table_index(start, block, 1, False)
+            for j in range(first, table_index(end - 1, block, 1, False) + 1):
+                b = row[j]
+                if not b.is_null:
+                    lo = j * block
+                    writes.append((_KV, b.block_id, max(start - lo, 0), min(end - lo, block)))
         return result
 
-    def _check_failed_allocation(self, rid, free_before, pending_before, rows_before) -> None:
+    def _check_failed_allocation(self, rid, free_before, before) -> None:
         """vLLM releases blocks outside a window before it knows whether the allocation fits
         (``remove_skipped_blocks``); anything more is a change a failed call must not make."""
-        grew = [g for g, m in enumerate(self.managers) if len(m.req_to_blocks.get(rid, ())) > rows_before[g]]
-        copied = [g for g, m in enumerate(self.managers) if len(m._pending_cow_copies) > pending_before[g]]
+        grew = [g for g, m in enumerate(self.managers) if len(m.req_to_blocks.get(rid, ())) > before[g][1]]
+        copied = [g for g, m in enumerate(self.managers) if len(m._pending_cow_copies) > before[g][0]]
         free_after = self.pool.get_num_free_blocks()
         if free_after < free_before or grew or copied:
             self.sink.report(
@@ -262,8 +277,6 @@ class ManagerChecker:
         """A Mamba chunk starting at ``start`` > 0 reads the state at row index
         ``cdiv(start, B) - 1``, which must hold the state after exactly ``start`` tokens when
         the step begins (directly, or as the destination of one of this step's copies)."""
-        if not self.align_state[g] or start == 0:
-            return
         idx = table_index(start - 1, self.block[g], 1, False)  # where the state after `start` tokens lives
         blk = row[idx].block_id if idx < len(row) else None
         source = self._copy_src.get(blk, blk)
@@ -276,17 +289,6 @@ class ManagerChecker:
                 f"{self._where(rid)}, group {g} ({self.label[g]}): the chunk starting at {start} reads block {blk} "
                 f"at row index {idx}{via}, which holds {has} when the step begins",
             )
-
-    def _record_writes(self, g: int, row, start: int, end: int, writes: list) -> None:
-        block = self.block[g]
-        if self.state_group[g]:
-            if self.align_state[g]:
-                writes.append((_STATE, row[table_index(end - 1, block, 1, False)].block_id, end, 0))
-            return
-        for j in range(start // block, (end - 1) // block + 1):
-            b = row[j]
-            if not b.is_null:
-                writes.append((_KV, b.block_id, max(start - j * block, 0), min(end - j * block, block)))
 
     # --- freeing --------------------------------------------------------------------------------
 
@@ -366,9 +368,8 @@ class ManagerChecker:
 
 
 def _bind(check, original):
-    def call(*args, **kwargs):
-        return check(original, *args, **kwargs)
-
+    """``check`` with vLLM's method as its first argument (a C-level partial: no extra frame)."""
+    call = functools.partial(check, original)
     call.__wrapped__ = original
     return call
 

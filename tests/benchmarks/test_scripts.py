@@ -31,3 +31,10 @@ def test_vllm_baseline_script_runs():
     proc = run("vllm_baseline.py", *TINY)
     assert proc.returncode == 0, proc.stderr
     assert "dense" in proc.stdout
+
+
+def test_oracle_benchmark_runs():
+    proc = run("oracle.py", "--requests", "3", "--repeat", "1")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["off"], ["on"])}
+    assert float(rows["off"][2]) == 1.0 and float(rows["on"][1]) > 0

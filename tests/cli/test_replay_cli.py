@@ -74,12 +74,12 @@ def test_table_output(capsys, k3_trace):
     "lines, needle",
     [
         (['{"id": "a", "prompt": [1, 2]}', "{not json"], "line 2: not valid JSON"),
-        (['{"id": "a"}'], "line 1: missing 'prompt'"),
-        (['{"id": "a", "prompt": []}'], "line 1: 'prompt' must hold at least one token"),
-        (['{"id": "a", "prompt": [1, -2]}'], "line 1: 'prompt' must be a list of non-negative integers"),
-        (['{"id": "a", "prompt": [1], "arrival": -1}'], "line 1: 'arrival' -1"),
+        (['{"id": "a"}'], "line 1 (request 'a'): missing 'prompt'"),
+        (['{"id": "a", "prompt": []}'], "line 1 (request 'a'): 'prompt' must hold at least one token"),
+        (['{"id": "a", "prompt": [1, -2]}'], "line 1 (request 'a'): 'prompt' token -2 at index 1 is not a token id"),
+        (['{"id": "a", "prompt": [1], "arrival": -1}'], "line 1 (request 'a'): 'arrival' -1"),
         (['{"id": "a", "prompt": [1]}', '{"id": "a", "prompt": [2]}'], "line 2: duplicate request id 'a'"),
-        (['{"id": "a", "prompt": [1], "colour": 3}'], "line 1: unknown field(s) colour"),
+        (['{"id": "a", "prompt": [1], "colour": 3}'], "line 1: unknown field(s) 'colour'"),
         (['[1, 2]'], "line 1: expected a JSON object"),
     ],
 )
@@ -96,4 +96,4 @@ def test_missing_file_and_tiny_pool_are_bad_input(capsys, tmp_path, k3_trace):
     assert main(["replay", str(tmp_path / "nope.jsonl"), *K3]) == 2
     assert "cannot read trace" in capsys.readouterr().err
     assert main(["replay", k3_trace, *K3, "--num-blocks", "2"]) == 2
-    assert "raise --num-blocks" in capsys.readouterr().err
+    assert "expected num_blocks >= 4" in capsys.readouterr().err

@@ -16,7 +16,9 @@ HYBRID = ("full_attention:4", "mamba:8")
 
 
 def layout_config(groups=HYBRID, dcp: int = 1, max_model_len: int = 128, hash_block_size=2, interleave: int = 1):
+    """Dense retention: every chunk end keeps its state, so the workload reaches decode-state
+    hits (``d``) as well as prompt checkpoints."""
     return LayoutConfig(
         groups=tuple(parse_group(g) for g in groups), dcp=dcp, max_model_len=max_model_len,
-        hash_block_size=hash_block_size, interleave=interleave,
+        hash_block_size=hash_block_size, interleave=interleave, retention_interval=None,
     )

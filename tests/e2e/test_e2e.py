@@ -10,8 +10,8 @@ from kvproof.e2e.workloads import hybrid_workload, preemption_workload
 
 from .conftest import layout_config
 
-#: 12 tokens per step: chunked prefill, and the admission timing the workload relies on.
-OPTIONS = E2EOptions(num_blocks=96, max_num_batched_tokens=12)
+#: 48 tokens per step: chunked prefill, and the admission timing the workload relies on.
+OPTIONS = E2EOptions(num_blocks=96, max_num_batched_tokens=48)
 
 
 @pytest.fixture(scope="module")

@@ -59,8 +59,8 @@ def test_a_mismatch_exits_1(capsys, monkeypatch, trace):
          "Mamba cache mode 'none' is not supported"),
         (["TRACE", *HYBRID, "--num-blocks", "1"], "num_blocks 1 must be >= 2"),
         (["TRACE", *HYBRID[:-1], "32"], "request 'a' needs 48 tokens > max_model_len 32"),
-        # Raised by the scheduler on rank 0 of two spawned ranks, reported the same way.
-        (["TRACE", *HYBRID, "--dcp", "2", "--num-blocks", "6"], "cannot get blocks"),
+        # Refused before any rank starts: 48 tokens need 6 attention blocks and 1 Mamba block.
+        (["TRACE", *HYBRID, "--dcp", "2", "--num-blocks", "6"], "needs at least 7 blocks even with the pool to itself"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, trace, argv, message):

@@ -11,7 +11,7 @@ from kvproof.e2e.workloads import hybrid_workload
 
 from .conftest import layout_config
 
-OPTIONS = E2EOptions(num_blocks=96, max_num_batched_tokens=12)
+OPTIONS = E2EOptions(num_blocks=96, max_num_batched_tokens=48)
 
 
 def test_slot_mapping_of_the_wrong_rank_is_caught():

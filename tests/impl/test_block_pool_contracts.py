@@ -28,14 +28,14 @@ _MUTANT_DIR = pathlib.Path(tempfile.mkdtemp(prefix="kvproof-mutants-"))
 
 
 def pool_module(monkeypatch, mutate: tuple[str, str] | None = None):
-    """impl/block_pool.py loaded under a new name with ``contracts.SLOW`` on, optionally with one
+    """impl/block_pool.py loaded under a new name with the slow switch on, optionally with one
     source fragment replaced (it must occur exactly once)."""
     source = SOURCE
     if mutate is not None:
         old, new = mutate
         assert source.count(old) == 1, f"mutation target not found exactly once: {old!r}"
         source = source.replace(old, new)
-    monkeypatch.setattr(contracts, "SLOW", True)
+    monkeypatch.setattr(contracts, "_slow", True)
     name = f"kvproof_block_pool_mutant_{next(_fresh)}"
     # A real file, because icontract reads the conditions' source to word its violations.
     path = _MUTANT_DIR / f"{name}.py"
@@ -74,7 +74,7 @@ SEEDED_BUGS = {
         lambda pool: (pool.allocate(1), pool.cache_full(1, ("k12", 0), 12), pool.cache_partial(1, ("k10", 0), 10)),
     ),
     "INV-POOL-NO-STALE-PARTIAL: after cache_full": (
-        ("        self._attach(block, key, num_tokens, holders)\n        return True\n\n    @icontract.snapshot", "        self._attach(block, key, num_tokens + 1, holders)\n        return True\n\n    @icontract.snapshot"),
+        ("        self._attach(block, key, num_tokens, holders)\n        return True\n\n    @slow_tier", "        self._attach(block, key, num_tokens + 1, holders)\n        return True\n\n    @slow_tier"),
         lambda pool: (pool.allocate(1), pool.cache_full(1, ("k", 0), 4)),
     ),
     "INV-POOL-KEY-CONSISTENT: evicted blocks have no key": (

@@ -14,9 +14,11 @@ from kvproof.spec.layout import LayoutConfig, resolve_layout
 FA, MAMBA, SWA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA, GroupKind.SLIDING_WINDOW
 
 
-def make_kv(groups, dcp=1, hash_block_size=None, num_blocks=64, eagle=False, partial=True):
-    layout = resolve_layout(LayoutConfig(tuple(groups), dcp=dcp, max_model_len=4096,
-                                         hash_block_size=hash_block_size, allow_partial_hash_hits=partial))
+def make_kv(groups, dcp=1, hash_block_size=None, num_blocks=64, eagle=False, partial=True, retention=None):
+    """Dense retention unless asked (these scenarios key every chunk end, as reference 9.1's
+    one-shot producers assume); retention 0 has scenarios of its own below."""
+    layout = resolve_layout(LayoutConfig(tuple(groups), dcp=dcp, max_model_len=4096, hash_block_size=hash_block_size,
+                                         allow_partial_hash_hits=partial, retention_interval=retention))
     return KVCacheManager(layout, num_blocks, use_eagle=eagle)
 
 

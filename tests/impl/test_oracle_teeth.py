@@ -1,10 +1,12 @@
-"""The content oracle has teeth: each deliberately broken piece of the pipeline is caught."""
+"""The content oracle has teeth: each deliberately broken piece of the implementation (the
+managers, the copies they order, the rows they hand the worker) is caught."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvproof.impl import content_oracle
+from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.managers import base
 from kvproof.impl.replay import replay
 from kvproof.impl.trace import TraceRequest
@@ -44,6 +46,8 @@ def test_sharing_a_partial_block_without_copying_is_caught(monkeypatch):
 
 
 def test_copies_run_after_the_forward_pass_are_caught(monkeypatch):
+    """The worker running the step's copies after the forward pass: the hit reads its copied
+    block before the copy landed."""
     real_run_step = content_oracle.ContentOracle.run_step
 
     def late_copies(self, plan):
@@ -56,36 +60,76 @@ def test_copies_run_after_the_forward_pass_are_caught(monkeypatch):
     assert any(v.startswith(("INV-CONTENT-KV", "INV-CONTENT-STATE")) for v in result.violations), result.violations
 
 
-def test_wrong_slot_mapping_is_caught(monkeypatch):
-    real_slot = content_oracle.ContentOracle._slot
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_a_copy_from_a_block_nothing_wrote_is_caught(monkeypatch, dcp):
+    """The manager records copy-on-write copies whose source is a block no step ever wrote (a
+    stale id that passes INV-COW-SOURCE-READY: neither allocated nor keyed this step)."""
+    real_add_copy = base.StepLedger.add_copy
+    never_used = 63  # the pool has 64 blocks; this trace never reaches the last one
 
-    def off_by_one_rank(self, p, g, row):
-        rank, blk, off = real_slot(self, p, g, row)
-        return (None if rank is None else (rank + 1) % self.dcp), blk, off
+    def add_copy(self, group_id, request_id, src, dst):
+        real_add_copy(self, group_id, request_id, src, dst)
+        self.copies[-1] = (group_id, never_used, dst)
 
-    # Writes go to the wrong rank; reads use the right one.
-    monkeypatch.setattr(content_oracle.ContentOracle, "_write", _write_with(off_by_one_rank))
-    result = replay(shared_prefix_trace(), layout(dcp=2), num_blocks=64, max_num_batched_tokens=16)
+    monkeypatch.setattr(base.StepLedger, "add_copy", add_copy)
+    result = replay(shared_prefix_trace(), layout(dcp), num_blocks=64, max_num_batched_tokens=16)
+    assert any(v.startswith(("INV-CONTENT-KV", "INV-CONTENT-STATE")) for v in result.violations), result.violations
+
+
+@pytest.mark.parametrize("dcp", [1, 2, 4])
+def test_blocks_handed_to_the_worker_in_the_wrong_slot_are_caught(monkeypatch, dcp):
+    """The KV-cache manager hands the worker the neighbouring block id for each new attention
+    block: the worker writes each position into another block than the one the manager keys
+    for it (and than the one another request owns), and whoever reads those blocks next reads
+    the wrong KV."""
+    real = KVCacheManager.allocate_slots
+
+    def shifted(self, request, num_new_tokens, hit=None):
+        out = real(self, request, num_new_tokens, hit)
+        if out is not None:
+            out[0][:] = [b + 1 for b in out[0]]
+        return out
+
+    monkeypatch.setattr(KVCacheManager, "allocate_slots", shifted)
+    result = replay(shared_prefix_trace(), layout(dcp), num_blocks=64, max_num_batched_tokens=16)
     assert any(v.startswith("INV-CONTENT-KV") for v in result.violations), result.violations
 
 
-def _write_with(slot):
-    real_write = content_oracle.ContentOracle._write
+@pytest.mark.parametrize("dcp, interleave", [(1, 1), (2, 1), (2, 2), (4, 1)])
+def test_what_each_rank_holds_is_what_the_spec_slot_mapping_writes(dcp, interleave):
+    """The oracle's per-rank pages agree with spec.placement.slot_mapping: after a prefill, rank
+    r holds exactly the positions whose slot on r is not PAD, in the block the slot names."""
+    from kvproof.impl.request import Request
+    from kvproof.impl.scheduler import ScheduledChunk, StepPlan
+    from kvproof.spec.placement import PAD_SLOT, slot_mapping
 
-    def write(self, chunk):
-        saved = content_oracle.ContentOracle._slot
-        content_oracle.ContentOracle._slot = slot
-        try:
-            real_write(self, chunk)
-        finally:
-            content_oracle.ContentOracle._slot = saved
-    return write
+    lay = resolve_layout(LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, 4),), dcp=dcp, max_model_len=256,
+                                      interleave=interleave))
+    oracle = content_oracle.ContentOracle(lay)
+    req = Request("r", list(range(1, 30)), lay.hash_block_size)
+    row = [10 + i for i in range(-(-29 // (4 * dcp)))]
+    oracle.run_step(StepPlan(0, [ScheduledChunk(req, 0, 29, ([*row],), True)], [], []))
+    assert oracle.violations == []
+    for rank in range(dcp):
+        slots = slot_mapping(tuple(range(29)), tuple(row), 4, dcp, interleave, rank, True)
+        want = {(s // 4, p) for p, s in enumerate(slots) if s != PAD_SLOT}
+        held = {
+            (blk, p)
+            for blk in row
+            for lo, hi, _ in oracle._kv[(0, blk)][rank]
+            for p in range(lo, hi)
+            if slots[p] != PAD_SLOT
+        }
+        assert held == want
+        # every position a segment of this rank spans that the slot mapping does not keep here
+        # belongs to another rank
+        spanned = {p for blk in row for lo, hi, _ in oracle._kv[(0, blk)][rank] for p in range(lo, hi)}
+        assert all(slots[p] == PAD_SLOT for p in spanned - {p for _, p in want})
 
 
 def test_mamba_width_divided_by_dcp_is_rejected():
     import dataclasses
 
-    from kvproof.impl.kv_cache_manager import KVCacheManager
     from kvproof.impl.request import Request
     from kvproof.spec.contracts import InvariantViolation
 

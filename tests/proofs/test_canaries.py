@@ -34,7 +34,7 @@ def test_every_golden_file_belongs_to_a_canary():
 
 @pytest.mark.parametrize("canary", CANARIES, ids=lambda o: o.id)
 def test_canary_is_refuted_with_the_golden_counterexample(canary):
-    outcome = canary.check(10.0)
+    outcome = canary.check(300.0)  # a deadline only: each checker's effort is fixed
     assert outcome.verdict == REFUTED, outcome.detail
     golden = (GOLDEN / f"{canary.id}.txt").read_text()
     if canary.method != "crosshair":
@@ -50,7 +50,7 @@ def _masked(text: str) -> str:
 
 def _is_old_width_bug(counterexample: str) -> bool:
     """The CrossHair counterexample's numbers really expose the DCP-divided Mamba width."""
-    m = re.search(r"GroupKind\.MAMBA, (\d+),.*num_speculative_blocks=(\d+).*\), (\d+), (\d+)\) \(which returns (\d+)\)",
+    m = re.search(r"GroupKind\.MAMBA, (\d+),.*num_speculative_blocks=(\d+).*\), (\d+), (\d+)\) \(which returns (\d+)\): breaks INV-TABLE-WIDTH",
                   counterexample)
     if m is None:
         return False

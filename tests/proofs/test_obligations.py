@@ -9,10 +9,9 @@ import re
 import pytest
 
 from kvproof.proofs.registry import (
+    CHECKED,
     COVERED_SPEC_MODULES,
-    ERROR,
     PROVED,
-    REFUTED,
     TESTED_ONLY,
     all_obligations,
 )
@@ -40,25 +39,16 @@ def test_obligations_name_only_existing_invariants():
 
 @pytest.mark.parametrize("obligation", [o for o in REAL if o.method == "z3"], ids=lambda o: o.id)
 def test_z3_lemma_is_proved(obligation):
-    outcome = obligation.check(5.0)
+    outcome = obligation.check(300.0)  # a deadline only: each step's time is fixed
     assert outcome.verdict == PROVED, outcome.detail
 
 
 @pytest.mark.parametrize("obligation", [o for o in REAL if o.method == "exhaustive"], ids=lambda o: o.id)
 def test_bounded_check_finds_nothing(obligation):
-    outcome = obligation.check(60.0)  # the scopes are fixed; the budget only guards a hang
-    assert outcome.verdict not in (REFUTED, ERROR), outcome.counterexample or outcome.detail
-    assert "budget spent" not in outcome.detail
+    outcome = obligation.check(120.0)  # the scopes are fixed; the budget only guards a hang
+    assert outcome.verdict == CHECKED, outcome.counterexample or outcome.detail
 
 
 def test_crosshair_proves_the_arithmetic():
     (ch_arith,) = [o for o in REAL if o.id == "CH-ARITH"]
-    assert ch_arith.check(4.0).verdict == PROVED
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("obligation", [o for o in REAL if o.method == "crosshair" and o.id != "CH-ARITH"],
-                         ids=lambda o: o.id)
-def test_crosshair_finds_nothing_in_a_short_run(obligation):
-    outcome = obligation.check(6.0)
-    assert outcome.verdict not in (REFUTED, ERROR), outcome.counterexample or outcome.detail
+    assert ch_arith.check(60.0).verdict == PROVED

@@ -10,7 +10,7 @@ import pytest
 
 from kvproof.proofs import block_pool as pool_check
 from kvproof.proofs import joint_hit as hit_check
-from kvproof.proofs.registry import REFUTED, UNREFUTED
+from kvproof.proofs.registry import CHECKED, REFUTED
 from kvproof.spec import block_pool as pool
 from kvproof.spec import joint_hit as spec_hit
 from kvproof.spec.arith import floor_to
@@ -69,7 +69,7 @@ def test_a_seeded_pool_bug_is_refuted_with_its_call_sequence(op, body, expected)
 
 def test_the_real_pool_passes_the_small_scope_and_refuses_bad_input():
     outcome = pool_check.check_sequences(pool_check.SPEC_OPS, 30.0, SMALL)
-    assert outcome.verdict == UNREFUTED, outcome.counterexample
+    assert outcome.verdict == CHECKED, outcome.counterexample
     assert "refused as bad input" in outcome.detail and "budget spent" not in outcome.detail
 
 

@@ -1,21 +1,25 @@
-"""The Mamba chunk-split rule: vLLM's scheduler-split scenarios (reference 9.1) and
-properties."""
+"""The Mamba chunk-split rule: vLLM's scheduler-split scenarios (reference 9.1), the
+shared-prefix junction stop (reference 5.4), properties, and contracts that fire."""
 
 from __future__ import annotations
 
 import icontract
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvproof.spec.chunk_split import checkpoint_position, mamba_chunk_end, split_checkpoints
+from kvproof.impl.chunk_split import ChunkSplitter
+from kvproof.spec.chunk_split import SplitRule, checkpoint_position, chunk_end, stops
 from kvproof.spec.contracts import guard_like
 
+from ..conftest import REACH_SETTINGS
 
-def chunks(start, num_tokens, num_prompt, bsm, h, budget, partial, eagle=False):
+
+def chunks(start, num_tokens, num_prompt, bsm, h, budget, partial, eagle=False, junctions=(), exact=False):
+    rule = SplitRule(bsm, h, budget, partial_tail=partial, eagle_drop=eagle, shared_prefix_checkpoint=exact)
     out = []
     while start < num_tokens:
-        end = mamba_chunk_end(start, budget, num_tokens, num_prompt, bsm, h, partial, eagle)
+        end = chunk_end(rule, start, min(budget, num_tokens - start), num_tokens, num_prompt, junctions)
         out.append(end - start)
         start = end
     return out
@@ -39,7 +43,32 @@ def test_block_larger_than_long_prefill_threshold():
 
 @pytest.mark.parametrize("prompt, eagle, expected", [(24_576, True, 1408), (24_577, True, 1408), (24_577, False, 1536)])
 def test_eagle_stops_below_proof_boundary(prompt, eagle, expected):
-    assert mamba_chunk_end(23_040, 8192, prompt, prompt, 1536, 128, True, eagle) - 23_040 == expected
+    rule = SplitRule(1536, 128, 8192, partial_tail=True, eagle_drop=eagle)
+    assert chunk_end(rule, 23_040, 8192 if prompt - 23_040 > 8192 else prompt - 23_040, prompt, prompt) - 23_040 == expected
+
+
+def test_issue_junction_example_stops_at_the_block_below_the_junction():
+    """Issue 10: B (135 tokens) shares 122 with A; attention reaches 120 (H 4) but no Mamba state
+    does: the first chunk ends at the last Mamba block boundary below the junction (or exactly
+    at it with ``shared_prefix_checkpoint``), so a sibling C sharing 122 finds a state there."""
+    assert chunks(0, 135, 135, 8, 4, 2048, partial=True, junctions=(120,)) == [120, 8, 4, 3]
+    assert chunks(0, 135, 135, 8, 4, 2048, partial=True, junctions=(122,)) == [120, 8, 4, 3]
+    assert chunks(0, 135, 135, 8, 4, 2048, partial=True, junctions=(122,), exact=True) == [122, 6, 4, 3]
+
+
+def test_junction_stop_is_block_floored_from_the_start():
+    # From a partial hit at 4 the first chunk stops at the end of the start's block (8); from
+    # there the junction at 21 floors to 8 + 8 = 16 (whole Mamba blocks from the start).
+    assert chunks(4, 40, 40, 8, 4, 64, partial=False, junctions=(21,)) == [4, 8, 16, 8]
+    # Had the chunk started at 4 and reached 21, vLLM's floor is 4 + 16 = 20, not a block end.
+    rule = SplitRule(8, 4, 64)
+    assert stops(rule, 4, 40, 40, 40, (21,)) == (8, 20, 32)
+
+
+def test_a_request_waits_when_no_aligned_end_is_within_the_leftover_budget():
+    rule = SplitRule(16, 16, 2048)
+    assert chunk_end(rule, 0, 10, 100, 100) == 0  # 10 tokens left this step, the block needs 16
+    assert chunk_end(rule, 0, 100, 100, 100) == 96
 
 
 def test_checkpoint_positions():
@@ -47,6 +76,7 @@ def test_checkpoint_positions():
     assert checkpoint_position(24_576, 128, True) == 24_448
     assert checkpoint_position(257, 256, False) == 256
     assert checkpoint_position(1, 16, False) == 0
+    assert checkpoint_position(20, 4, False, lookahead=3) == 16
 
 
 @st.composite
@@ -56,42 +86,76 @@ def split_inputs(draw):
     num_prompt = draw(st.integers(1, 3000))
     num_tokens = num_prompt + draw(st.integers(0, 50))
     start = draw(st.integers(0, num_tokens - 1))
-    return start, draw(st.integers(1, 2048)), num_tokens, num_prompt, bsm, h, draw(st.booleans()), draw(st.booleans())
+    max_prefill = draw(st.sampled_from([1, 7, 64, 512, 2048]))
+    num_new = min(num_tokens - start, draw(st.integers(1, max_prefill)))
+    junctions = tuple(sorted(draw(st.sets(st.integers(0, num_tokens - 1), max_size=2))))
+    rule = SplitRule(bsm, h, max_prefill, partial_tail=draw(st.booleans()), eagle_drop=draw(st.booleans()),
+                     lookahead=draw(st.sampled_from([0, 0, 1, 3])), shared_prefix_checkpoint=draw(st.booleans()))
+    return rule, start, num_new, num_tokens, num_prompt, junctions
+
+
+@settings(max_examples=1500, **REACH_SETTINGS)
+@given(split_inputs())
+def test_hot_path_rule_matches_the_spec(reach, args):
+    reach.minimums = {"waits": 30, "stops": 30, "whole": 30}
+    rule, start, num_new, num_tokens, num_prompt, junctions = args
+    ours = chunk_end(rule, start, num_new, num_tokens, num_prompt, junctions)
+    reach("waits" if ours == start else "stops" if ours < start + num_new else "whole")
+    assert ChunkSplitter(rule).end(start, num_new, num_tokens, num_prompt, junctions) == ours
 
 
 @given(split_inputs())
-def test_chunks_progress_and_never_cross_a_checkpoint(args):
-    start, budget, num_tokens, num_prompt, bsm, h, partial, eagle = args
-    end = mamba_chunk_end(start, budget, num_tokens, num_prompt, bsm, h, partial, eagle)
-    assert start < end <= min(start + budget, num_tokens)
-    for stop in split_checkpoints(start, num_tokens, num_prompt, bsm, h, partial, eagle):
-        assert not start < stop < end
-    if end < num_tokens and end not in split_checkpoints(start, num_tokens, num_prompt, bsm, h, partial, eagle):
-        assert end % bsm == 0 or bsm > budget
+def test_a_chunk_ends_at_its_first_stop_or_its_aligned_target(args):
+    rule, start, num_new, num_tokens, num_prompt, junctions = args
+    end = chunk_end(rule, start, num_new, num_tokens, num_prompt, junctions)
+    assert start <= end <= start + num_new
+    if end > start and end < max(num_prompt, num_tokens - 1):
+        inside = stops(rule, start, end + 1, num_tokens, num_prompt, junctions)
+        assert end % rule.mamba_block_size == 0 or end in inside or rule.mamba_block_size > rule.max_prefill_tokens
 
 
-def test_contract_fires_on_a_chunk_that_runs_past_a_checkpoint():
-    greedy = guard_like(
-        mamba_chunk_end,
-        lambda start, budget, num_tokens, num_prompt_tokens, mamba_block_size, hash_block_size, partial_tail,
-        eagle_drop=False, lookahead=0: min(start + budget, num_tokens),
-    )
-    with pytest.raises(icontract.ViolationError, match="INV-SPLIT-PROGRESS-AND-STOPS"):
-        greedy(8192, 8192, 10_000, 10_000, 512, 32, True)
+# --- contracts that fire -------------------------------------------------------------------------
+
+def _guarded(body):
+    return guard_like(chunk_end, body)
+
+
+def test_a_chunker_that_always_takes_one_token_is_refused():
+    one = _guarded(lambda rule, start, num_new, num_tokens, num_prompt_tokens, junctions=(): start + 1)
+    with pytest.raises(icontract.ViolationError, match="INV-SPLIT-ALIGNED"):
+        one(SplitRule(16, 16, 2048), 0, 100, 100, 100)
+
+
+def test_a_greedy_chunker_that_runs_past_a_stop_is_refused():
+    greedy = _guarded(lambda rule, start, num_new, num_tokens, num_prompt_tokens, junctions=(): start + num_new)
+    with pytest.raises(icontract.ViolationError, match="INV-SPLIT-STOPS"):
+        greedy(SplitRule(512, 32, 8192, partial_tail=True), 8192, 1808, 10_000, 10_000)
+
+
+def test_a_chunker_that_ignores_the_junction_is_refused():
+    blind = _guarded(lambda rule, start, num_new, num_tokens, num_prompt_tokens, junctions=(): 128)
+    with pytest.raises(icontract.ViolationError, match="INV-SPLIT-STOPS"):
+        blind(SplitRule(8, 4, 2048, partial_tail=True), 0, 135, 135, 135, (120,))
+
+
+def test_a_chunker_that_waits_needlessly_is_refused():
+    idle = _guarded(lambda rule, start, num_new, num_tokens, num_prompt_tokens, junctions=(): start)
+    with pytest.raises(icontract.ViolationError, match="INV-SPLIT-PROGRESS"):
+        idle(SplitRule(16, 16, 2048), 0, 100, 100, 100)
+
+
+def test_checkpoint_contract_fires():
     with pytest.raises(icontract.ViolationError, match="INV-SPLIT-CKPT"):
         guard_like(checkpoint_position, lambda num_tokens, unit, eagle_drop, lookahead=0: num_tokens)(64, 16, False)
 
 
-def test_bad_start_is_named():
-    with pytest.raises(ValueError, match=r"chunk start 10 must lie in \[0, 10\)"):
-        mamba_chunk_end(10, 5, 10, 10, 4, 2, True)
+@pytest.mark.parametrize("start, num_new, message", [(10, 1, r"chunk start 10 must lie in \[0, 10\)"),
+                                                     (2, 9, r"chunk of 9 tokens from 2 must hold 1 .. 8 tokens")])
+def test_bad_input_is_named(start, num_new, message):
+    with pytest.raises(ValueError, match=message):
+        chunk_end(SplitRule(4, 2, 16), start, num_new, 10, 10)
 
 
-@given(split_inputs(), st.integers(0, 3))
-def test_hot_path_rule_matches_the_spec(args, lookahead):
-    from kvproof.impl.chunk_split import chunk_end
-
-    start, budget, num_tokens, num_prompt, bsm, h, partial, eagle = args
-    assert chunk_end(start, budget, num_tokens, num_prompt, bsm, h, partial, eagle, lookahead) == mamba_chunk_end(
-        start, budget, num_tokens, num_prompt, bsm, h, partial, eagle, lookahead
-    )
+def test_bad_rule_is_named():
+    with pytest.raises(ValueError, match=r"mamba_block_size 0 must be a positive integer"):
+        SplitRule(0, 2, 16)

@@ -214,3 +214,32 @@ def test_table_width_padding_is_least_aligned_multiple(n, bs, align):
     else:
         step = align // math.gcd(align, bs)
         assert w % step == 0 and n <= w < n + step
+
+
+@settings(max_examples=200)
+@given(
+    st.sampled_from([FA, MLA, MAMBA]), st.integers(1, 6), st.integers(1, 4), st.integers(1, 40),
+    st.integers(0, 2), st.data(),
+)
+def test_demand_is_what_the_slot_mapping_reads(kind, bs, dcp, max_len, sp, data):
+    """table_entries_needed (the demand INV-TABLE-WIDTH checks widths against) equals what the
+    slot mapping really reads: a row of demand - speculative entries maps every position below
+    max_len on every rank, and one entry fewer makes some position read past it."""
+    sp = sp if kind is MAMBA else 0
+    group = CacheGroup(kind, bs, num_speculative_blocks=sp)
+    interleave = data.draw(st.sampled_from([i for i in range(1, bs + 1) if bs % i == 0]))
+    entries = table_entries_needed(group, dcp, max_len) - sp
+    from kvproof.spec.placement import slot_for_position
+
+    def reads_past(width):
+        row = tuple(range(1, width + 1))
+        for p in range(max_len):
+            for rank in range(dcp):
+                try:
+                    slot_for_position(p, row, bs, dcp, interleave, rank, group.is_sharded)
+                except IndexError:
+                    return True
+        return False
+
+    assert not reads_past(entries)
+    assert reads_past(entries - 1)

@@ -329,7 +329,7 @@ def _overlong_request(scheduler):
 @pytest.mark.parametrize("inv, mutate, trace", [
     ("INV-HIT-BOUND", _wrap_coordinator_hit(lambda blocks, hit, uncached: (blocks, hit + 1 if hit else hit, uncached)), REPLAY),
     ("INV-HIT-BLOCKS", _wrap_coordinator_hit(lambda blocks, hit, uncached: (tuple(b[:-1] for b in blocks), hit, uncached)), REPLAY),
-    ("INV-HIT-JUNCTION", _wrap_coordinator_hit(lambda blocks, hit, uncached: (blocks, hit, uncached or 3)), REPLAY),
+    ("INV-JUNCTION", _wrap_coordinator_hit(lambda blocks, hit, uncached: (blocks, hit, uncached or 3)), REPLAY),
     ("INV-ALLOC-ATOMIC", _take_a_block_when_short, [TraceRequest("x", tuple(range(1500)), (1,), 1)]),
     ("INV-POOL-REF-NONNEG", _free_twice, REPLAY),
     ("INV-FREE-RELEASES", _forget_one_group, REPLAY),

@@ -1,0 +1,103 @@
+"""Which Mamba states stay in the prefix cache: the retention policy.
+
+A Mamba (linear-attention) state summarises exactly one prefix length and is as large as a
+whole block, so keeping every state a request passes through costs memory that attention
+blocks could use. vLLM's ``prefix_cache_retention_interval`` chooses (reference 1, 4.4):
+
+- ``None`` (dense): every state a chunk ends on is kept;
+- ``0`` (vLLM's production default): only the states a later request is known to resume at --
+  the prompt's *replay boundaries* (a resend of the same prompt, a longer sibling), the prompt's
+  tail checkpoint, and the *shared-prefix junctions* the lookup found;
+- ``K > 0``: those, plus one state per K-token segment (every multiple of K).
+
+A state can be kept only where a chunk ended, so every position this policy names is also a
+stop of the chunk-split rule (``spec.chunk_split``): the replay boundary is its last checkpoint,
+the tail its tail checkpoint, a junction its junction stop.
+
+What a position means for each reachable boundary (the junction especially) is defined here
+once; ``impl/managers/mamba.py`` asks :func:`keeps_state` for every state it could key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvproof.spec.chunk_split import checkpoint_position
+
+
+@dataclasses.dataclass(frozen=True)
+class RetentionRule:
+    """A layout's retention: the interval (None = dense) and the sizes it is measured in.
+
+    ``block`` is the Mamba block, ``alignment`` the cache-hit alignment A (H with partial hits,
+    else the scheduler block S), ``scheduler_block`` S. ``eagle`` shifts reachable positions down
+    (the draft recomputes the last unit); ``hash_block`` and ``lookahead`` place the tail.
+    """
+
+    interval: int | None
+    block: int
+    hash_block: int
+    alignment: int
+    scheduler_block: int
+    eagle: bool = False
+    lookahead: int = 0
+
+    def __post_init__(self) -> None:
+        if self.interval is not None and (not isinstance(self.interval, int) or self.interval < 0):
+            raise ValueError(f"retention interval {self.interval!r} must be None or a non-negative integer")
+        for name in ("block", "hash_block", "alignment", "scheduler_block"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)!r} must be positive")
+
+
+def replay_boundaries(num_prompt_tokens: int, scheduler_block: int, eagle: bool) -> tuple[int, ...]:
+    """Where a later request replaying this prompt resumes: a resend of the identical prompt is
+    capped at ``num_prompt - 1`` tokens; with EAGLE the draft needs the block above, so both a
+    resend and a longer sibling land one scheduler block lower (reference 5.4)."""
+    if not eagle:
+        return (num_prompt_tokens - 1,)
+    s = scheduler_block
+    resend = (num_prompt_tokens - 1) // s * s
+    extension = num_prompt_tokens // s * s
+    return tuple(sorted({max(resend - s, 0), max(extension - s, 0)}))
+
+
+def _block_end_below(position: int, rule: RetentionRule) -> int:
+    """The state a hit at ``position`` (at most) resumes from: the last whole block at or below
+    the largest hit length (a multiple of A) that does not pass ``position``."""
+    aligned = position // rule.alignment * rule.alignment
+    return aligned // rule.block * rule.block
+
+
+def keeps_state(
+    n: int,
+    rule: RetentionRule,
+    *,
+    num_prompt_tokens: int,
+    junctions: tuple[int, ...] = (),
+    exact_junction: bool = False,
+) -> bool:
+    """Whether the state after ``n`` tokens (a chunk end) stays cached.
+
+    Kept: the prompt's tail checkpoint; block-aligned states (``n % block == 0``) at segment
+    boundaries and at the block below every reachable boundary (replay boundaries, junctions,
+    and with EAGLE one block below a junction); a state inside a block exactly at a junction
+    inside the prompt with ``exact_junction``. Dense retention keeps everything.
+    """
+    if n <= 0:
+        return False
+    if rule.interval is None:
+        return True
+    if n == checkpoint_position(num_prompt_tokens, rule.hash_block, rule.eagle, rule.lookahead):
+        return True  # the prompt's tail: where a sibling replaying the whole prompt resumes
+    b = rule.block
+    if n % b == 0:
+        if rule.interval and (rule.interval <= b or n % rule.interval == 0):
+            return True
+        reachable = list(replay_boundaries(num_prompt_tokens, rule.scheduler_block, rule.eagle))
+        for j in junctions:
+            reachable.append(j)
+            if rule.eagle:
+                reachable.append(j - b)
+        return any(_block_end_below(p, rule) == n for p in reachable if p > 0)
+    return exact_junction and n in junctions and n <= num_prompt_tokens

@@ -1,0 +1,101 @@
+"""Shared-prefix junctions and Mamba state retention through the scheduler (issue 10's example
+and each retention interval)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvproof.impl.kv_cache_manager import KVCacheManager
+from kvproof.impl.replay import replay
+from kvproof.impl.request import Request
+from kvproof.impl.trace import TraceRequest
+from kvproof.spec.groups import CacheGroup, GroupKind
+from kvproof.spec.layout import LayoutConfig, resolve_layout
+from kvproof.spec.retention import RetentionRule, keeps_state, replay_boundaries
+
+FA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA
+
+
+def layout(retention=0, exact=False, dcp=2, fa=8, mamba=8, h=4):
+    return resolve_layout(LayoutConfig((CacheGroup(FA, fa), CacheGroup(MAMBA, mamba)), dcp=dcp, max_model_len=4096,
+                                       hash_block_size=h, retention_interval=retention, shared_prefix_checkpoint=exact))
+
+
+def cached(trace, lay, budget=2048):
+    result = replay(trace, lay, num_blocks=512, max_num_batched_tokens=budget)
+    assert result.violations == []
+    return {r.request_id: r.num_cached_tokens for r in result.requests}
+
+
+def issue_trace():
+    """Issue 10: A (159 tokens), then B (135, sharing 122 with A), then C (143, sharing 122)."""
+    shared = tuple(range(1000, 1122))
+    a = shared + tuple(range(2000, 2037))
+    b = shared + tuple(range(3000, 3013))
+    c = shared + tuple(range(4000, 4021))
+    return [TraceRequest("A", a, (1, 2), arrival=1), TraceRequest("B", b, (3,), arrival=50),
+            TraceRequest("C", c, (4,), arrival=100)]
+
+
+@pytest.mark.parametrize("retention", [0, None])
+def test_issue_example_sibling_resumes_at_the_junction(retention):
+    """vLLM 0.33.0 caches 112 tokens for C: attention reaches 112 for B (A's block [112, 128) is
+    full, keyed at 128 only), no Mamba state of A lies there, so B's first chunk stops at the
+    junction 112 and its state is kept; C finds it. Without the junction stop C hit 0."""
+    hits = cached(issue_trace(), layout(retention))
+    assert hits["A"] == 0 and hits["B"] == 0
+    assert hits["C"] == 112
+
+
+def test_lookup_reports_the_junction_beyond_the_joint_hit():
+    lay = layout(0)
+    kv = KVCacheManager(lay, 512)
+    a = Request("A", list(issue_trace()[0].prompt), lay.hash_block_size)
+    kv.begin_step()
+    kv.allocate_slots(a, a.num_tokens, kv.lookup(a))
+    kv.take_block_copies()
+    a.num_computed_tokens = a.num_tokens
+    kv.cache(a)
+    b = Request("B", list(issue_trace()[1].prompt), lay.hash_block_size)
+    hit = kv.lookup(b)
+    # Attention reaches 120 (its 16-token blocks up to 112, then A's partial key... no: A's
+    # block [112, 128) is full, keyed at 128 only, so attention stops at 112); no Mamba state
+    # of A lies at or below 122 except the one at 0.
+    assert hit.num_tokens == 0
+    assert hit.junctions == (112,)
+
+
+def test_retention_zero_keeps_only_reachable_states():
+    rule = RetentionRule(0, block=8, hash_block=4, alignment=4, scheduler_block=16)
+    keep = [n for n in range(1, 160) if keeps_state(n, rule, num_prompt_tokens=159, junctions=(120,))]
+    # replay boundary 158 -> block end 152; tail checkpoint 156; junction 120.
+    assert keep == [120, 152, 156]
+
+
+def test_retention_interval_keeps_one_state_per_segment():
+    rule = RetentionRule(32, block=8, hash_block=4, alignment=4, scheduler_block=16)
+    keep = [n for n in range(8, 160, 8) if keeps_state(n, rule, num_prompt_tokens=159)]
+    assert keep == [32, 64, 96, 128, 152]
+
+
+def test_dense_retention_keeps_every_chunk_end():
+    rule = RetentionRule(None, block=8, hash_block=4, alignment=4, scheduler_block=16)
+    assert all(keeps_state(n, rule, num_prompt_tokens=159) for n in range(1, 200))
+
+
+def test_eagle_replay_boundaries_are_one_scheduler_block_lower():
+    assert replay_boundaries(100, 16, eagle=False) == (99,)
+    assert replay_boundaries(100, 16, eagle=True) == (80,)
+    assert replay_boundaries(96, 16, eagle=True) == (64, 80)
+
+
+def test_retention_is_a_memory_trade_seen_in_held_states():
+    """With a budget that splits prompts, dense retention keeps every chunk's state; retention 0
+    keeps only the reachable ones, so a sibling sharing only the first chunk hits less."""
+    shared = tuple(range(500))
+    trace = [TraceRequest("p", shared + (7,), (1,), arrival=1),
+             TraceRequest("s", shared[:100] + tuple(range(900, 960)), (2,), arrival=200)]
+    dense = cached(trace, layout(None), budget=64)
+    sparse = cached(trace, layout(0), budget=64)
+    assert dense["s"] == 64  # p's chunks end every 64 tokens; the state at 64 is kept
+    assert sparse["s"] == 0

@@ -1,0 +1,148 @@
+"""The one slow switch (spec/contracts.py), read at call time and tested both ways; validation
+that survives ``python -O``; ``HYPOTHESIS_PROFILE=thorough`` reaching every property test."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import icontract
+import pytest
+
+from kvproof.impl.block_pool import BlockPool
+from kvproof.spec import contracts
+from kvproof.spec.contracts import InvariantViolation
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def corrupt(pool: BlockPool) -> None:
+    """A keyless block that records a prefix length: only the whole-pool check sees it."""
+    pool._ntok[4] = 5
+
+
+def test_slow_switch_is_read_at_call_time_both_ways():
+    with contracts.slow_checks(False):
+        pool = BlockPool(5)
+        corrupt(pool)
+        pool.allocate(1)  # off: the corruption goes unnoticed, the verb runs bare
+        assert not contracts.slow()
+        with contracts.slow_checks(True):  # flipped after the pool (and its decorators) exist
+            with pytest.raises(InvariantViolation, match="INV-POOL-KEY-CONSISTENT: block 4"):
+                pool.allocate(1)
+        pool.allocate(1)  # back off
+    contracts.set_slow(True)
+    try:
+        with pytest.raises(InvariantViolation, match="INV-POOL-KEY-CONSISTENT: block 4"):
+            pool.allocate(1)
+    finally:
+        contracts.set_slow(True)  # the suite runs with it on (tests/conftest.py)
+
+
+def test_slow_switch_takes_only_a_bool():
+    with pytest.raises(ValueError, match="the slow switch takes a bool, got 'yes'"):
+        contracts.set_slow("yes")
+
+
+def test_cheap_conditions_stay_on_with_the_switch_off(monkeypatch):
+    """evict's INV-POOL-KEY-CONSISTENT postcondition is cheap (O(blocks touched)): always on."""
+    monkeypatch.setattr(BlockPool, "_drop_key", lambda self, b: None)
+    with contracts.slow_checks(False):
+        pool = BlockPool(4)
+        (b,) = pool.allocate(1)
+        pool.cache_full(b, ("k", 0), 2)
+        with pytest.raises(icontract.ViolationError, match="INV-POOL-KEY-CONSISTENT"):
+            pool.evict([b])
+
+
+# Each line: a bad call, and the start of the message it must raise. Run under `python -O`.
+BAD_INPUT = r'''
+import sys
+from kvproof.impl.block_pool import BlockPool
+from kvproof.spec import arith, geometry, placement
+from kvproof.spec.groups import CacheGroup, GroupKind
+assert not __debug__, "this script must run under python -O"
+
+def snapshot(p):
+    return (list(p._ref), list(p._key), list(p._ntok), p.free_order(), dict((k, list(v)) for k, v in p._holders.items()))
+
+pool = BlockPool(4)
+pool.allocate(2)
+pool.cache_full(1, ("k", 0), 2)
+before = snapshot(pool)
+cases = [
+    (lambda: BlockPool(0), "num_blocks 0 must be an int >= 1"),
+    (lambda: pool.evict([-1]), "evict: block id -1 out of range [1, 4)"),
+    (lambda: pool.evict([4]), "evict: block id 4 out of range [1, 4)"),
+    (lambda: pool.move_key(1, 1), "INV-POOL-HELD-TO-CACHE: move_key needs two distinct held real blocks"),
+    (lambda: pool.move_key(2, 1), "move_key: block 2 must have a key and block 1 none"),
+    (lambda: pool.allocate(-1), "allocate: block count -1 must be an int >= 0"),
+    (lambda: pool.free([3]), "INV-POOL-REF-NONNEG: free of block 3 with ref count 0"),
+    (lambda: pool.cache_full(0, ("z", 0), 2), "INV-POOL-NULL"),
+    (lambda: arith.cdiv(1, 0), "cdiv divisor 0 must be > 0"),
+    (lambda: geometry.effective_block_size(CacheGroup(GroupKind.MAMBA, 4, dcp_sharded=True), 2), "INV-GEOM-MAMBA-REPLICATED"),
+    (lambda: geometry.max_num_blocks_per_req(CacheGroup(GroupKind.MAMBA, 4), 1, 0), "max_model_len 0 must be > 0"),
+    (lambda: placement.owner_rank(-1, 2, 1), "position -1 must be >= 0"),
+    (lambda: placement.local_seq_len(4, 2, 2, 1), "rank 2 must lie in [0, dcp 2)"),
+]
+for call, message in cases:
+    try:
+        call()
+    except ValueError as e:
+        if not str(e).startswith(message):
+            sys.exit(f"wrong message: {e!r}, expected {message!r}")
+    else:
+        sys.exit(f"accepted under -O; expected ValueError {message!r}")
+if snapshot(pool) != before:
+    sys.exit("a refused call changed the pool")
+print("ok", len(cases))
+'''
+
+
+def test_bad_input_is_refused_under_python_O():
+    env = {k: v for k, v in os.environ.items() if k != "ICONTRACT_SLOW"}
+    proc = subprocess.run([sys.executable, "-O", "-c", BAD_INPUT], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok 13"), proc.stdout + proc.stderr
+
+
+def test_the_thorough_profile_reaches_every_property_test(tmp_path):
+    """Collect the whole suite under HYPOTHESIS_PROFILE=thorough: every @given test and every
+    state machine gets the profile's 2000 examples, whatever it fixes for the everyday run."""
+    report = tmp_path / "reached.tsv"
+    env = {**os.environ, "HYPOTHESIS_PROFILE": "thorough", "KVPROOF_PROFILE_REPORT": str(report)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", str(ROOT / "tests")],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    reached = dict(line.split("\t") for line in report.read_text().splitlines())
+    declared = sum(
+        p.read_text().count("@given(") + p.read_text().count("(RuleBasedStateMachine)")
+        for p in (ROOT / "tests").rglob("test_*.py")
+        if p.name != "test_contracts.py"  # this file names both in its text
+    )
+    assert len(reached) >= declared >= 20, (len(reached), declared)
+    assert set(reached.values()) == {"2000"}
+    assert any("test_block_pool_machine.py" in n for n in reached) and any("test_coordinator_machine.py" in n for n in reached)
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_replay_slow_turns_the_switch_on_for_the_run(slow):
+    """`kvproof replay --slow` (replay(slow=True)) runs every call with the slow switch on."""
+    from kvproof.impl.replay import replay
+    from kvproof.impl.trace import TraceRequest
+    from kvproof.spec.groups import CacheGroup, GroupKind
+    from kvproof.spec.layout import LayoutConfig, resolve_layout
+
+    layout = resolve_layout(LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, 4), CacheGroup(GroupKind.MAMBA, 4))))
+    seen = []
+    with contracts.slow_checks(False):
+        replay([TraceRequest("r", tuple(range(9)), (1, 2))], layout, 16, on_step=lambda plan, s: seen.append(contracts.slow()))
+        assert not contracts.slow()
+    assert seen and set(seen) == {False}
+    with contracts.slow_checks(False):
+        replay([TraceRequest("r", tuple(range(9)), (1, 2))], layout, 16, slow=slow,
+               on_step=lambda plan, s: seen.append(contracts.slow()))
+    assert set(seen[-2:]) == {slow}
