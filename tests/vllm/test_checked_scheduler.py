@@ -425,11 +425,20 @@ def test_cheap_tier_skips_the_whole_state_checks(monkeypatch):
 
 
 def test_log_mode_counts_and_keeps_going(monkeypatch):
+    """Logged, counted (also in the process's Prometheus registry, which vLLM's /metrics reads),
+    and the run goes on."""
+    from prometheus_client import REGISTRY
+
+    def exported():
+        return REGISTRY.get_sample_value("kvproof_violations_total", {"invariant": "INV-COW-SOURCE-READY"}) or 0
+
     monkeypatch.setenv("KVPROOF_ON_VIOLATION", "log")
     layout = layout_for(dcp=1, **COW_LAYOUT)
+    before = exported()
     harness, result = run_checked(layout, PINNED_COW_TRACE, num_blocks=64)
     sink = harness.kv_cache_manager._kvproof_checker.sink
     assert sink.counts["INV-COW-SOURCE-READY"] == 2
+    assert exported() - before == 2
     assert set(result.num_cached_tokens) == {"r0", "r1", "r2"}
 
 
