@@ -15,6 +15,7 @@ pytestmark = pytest.mark.vllm
 
 pytest.importorskip("vllm")
 
+import torch  # noqa: E402
 from vllm.utils.math_utils import cdiv  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
@@ -457,3 +458,21 @@ def test_checks_attach_once():
     checker = harness.kv_cache_manager._kvproof_checker
     assert install_checks(harness.scheduler) is checker
     assert isinstance(harness.kv_cache_manager, KVCacheManager)
+
+
+def test_checks_that_cannot_be_installed_stop_the_scheduler_at_construction():
+    """A KV connector, or a cache group kvproof has no model of: asking for checks then fails."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
+    from kvproof.integrations.vllm.kv_specs import group_for_spec
+
+    def connector(scheduler):
+        scheduler.vllm_config.kv_transfer_config = object()
+
+    with pytest.raises(ValueError, match="kvproof's checks do not model KV connectors"):
+        EngineHarness(layout_for(HYBRID), 64, scheduler_cls=_mutant(connector))
+    spec = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16,
+                                     attention_chunk_size=64)
+    with pytest.raises(ValueError, match="KV-cache group 2 has a ChunkedLocalAttentionSpec; kvproof models full "
+                                         "attention, MLA, sliding window and Mamba groups only"):
+        group_for_spec(spec, 2)
