@@ -139,8 +139,10 @@ class StepHook:
     def scheduled(self, harness: "EngineHarness", step: int, output: SchedulerOutput) -> None:
         """After ``schedule()``, before the stand-in runner and ``update_from_output()``."""
 
-    def updated(self, harness: "EngineHarness", record: StepRecord, output: SchedulerOutput) -> None:
-        """After ``update_from_output()`` (and the abort of finished zero-output requests)."""
+    def updated(self, harness: "EngineHarness", record: StepRecord, output: SchedulerOutput,
+                runner_output: ModelRunnerOutput) -> None:
+        """After ``update_from_output()`` (and the abort of finished zero-output requests);
+        ``runner_output`` is what the stand-in runner returned for the step."""
 
 
 def chunk_split_block_size(layout: Layout) -> int:
@@ -407,7 +409,7 @@ class EngineHarness:
         self._copies += len(copies)
         self._preemptions += len(out.preempted_req_ids)
         for hook in self.hooks:
-            hook.updated(self, record, out)
+            hook.updated(self, record, out, runner_output)
         if out.total_num_scheduled_tokens == 0 and not self._pending and sched.has_unfinished_requests():
             waiting = sorted(r.request_id for r in sched.requests.values() if not r.is_finished())
             raise HarnessStalled(

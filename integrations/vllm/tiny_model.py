@@ -27,7 +27,7 @@ TINY_QWEN3_NEXT = {
     "layer_types": ["linear_attention", "full_attention"],
     "num_attention_heads": 8,
     "num_key_value_heads": 1,
-    "head_dim": 16,
+    "head_dim": 256,
     "linear_conv_kernel_dim": 4,
     "linear_key_head_dim": 16,
     "linear_value_head_dim": 16,

@@ -100,6 +100,18 @@ def test_eagle_under_dcp_rewinds_one_hash_unit():
     assert result.num_cached_tokens["c"] == 4
 
 
+@pytest.mark.parametrize("lookahead, hit", [(0, 32), (1, 16)])
+def test_lookahead_hashes_cover_the_next_token(lookahead, hit):
+    """Reference 2.2: with L lookahead tokens, a block's hash also covers the L tokens after it.
+    A 32-token prompt's second block is hashed together with its first output; a sibling that
+    shares the 32 tokens but continues differently then hits only the first block."""
+    layout = layout_for([CacheGroup(FA, 16)])
+    trace = [TraceRequest("p", tuple(range(32)), (100, 101), arrival=1),
+             TraceRequest("s", tuple(range(32)) + (7, 8, 9), (1,), arrival=10)]
+    result = EngineHarness(layout, 32, num_hash_lookahead_tokens=lookahead).run(trace)
+    assert result.num_cached_tokens == {"p": 0, "s": hit}
+
+
 def test_shared_prefix_junction_is_checkpointed():
     """Issue 10's measured example (FA 8 + Mamba 8, H 4, DCP 2): A (159 tokens), then B (135, 122
     shared): vLLM ends B's first chunk at the block-floored junction 112 and caches the Mamba
@@ -213,7 +225,7 @@ class Recorder(StepHook):
     def scheduled(self, harness, step, output):
         self.calls.append(("scheduled", step, dict(output.num_scheduled_tokens)))
 
-    def updated(self, harness, record, output):
+    def updated(self, harness, record, output, runner_output):
         self.calls.append(("updated", record.step, {rid: n for rid, _, n in record.chunks}))
 
 

@@ -1,0 +1,279 @@
+"""A model-free vLLM executor for CPU staging: rehearse a deployment's KV-cache behaviour with
+its real ``config.json``, real geometry and real traffic, without weights or a GPU.
+
+    VLLM_TARGET_DEVICE=cpu vllm serve ./model-dir --skip-tokenizer-init --block-size 16 \\
+        --num-gpu-blocks-override 4096 --tensor-parallel-size 2 --decode-context-parallel-size 2 \\
+        --distributed-executor-backend kvproof.integrations.vllm.cpu_executor.CpuStagingExecutor
+
+vLLM's engine core, scheduler, KV-cache manager, API server and metrics run unchanged; only the
+workers are stood in for, all TP ranks in the engine-core process. Each rank:
+
+* reports the model's real KV-cache specs, computed from the model class as vLLM's model runner
+  would (attention layers: per-rank KV heads, head size, cache dtype; linear-attention layers:
+  the class's ``get_mamba_state_shape_from_config`` / ``..._dtype_from_config``);
+* keeps its block tables in vLLM's own V1 ``MultiGroupBlockTable`` (sized with vLLM's width rule,
+  written with its ``add_row`` / ``append_row``, so kvproof's worker-side checks see them);
+* and the executor applies every step -- copies, then the forward pass's writes and reads, on
+  every DCP rank -- to a content-tracking model of the KV cache (``worker_model.WorkerModel``,
+  kvproof's content oracle). A read of anything but this request's own prefix is reported as
+  ``INV-CONTENT-KV`` / ``INV-CONTENT-STATE`` (raised, or logged and counted, per
+  ``KVPROOF_ON_VIOLATION``).
+
+Sampling is deterministic: the next token is a fixed function of the sequence so far
+(:func:`next_token`), never the model's EOS id.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Callable, Optional
+
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.model_executor.model_loader.utils import get_model_architecture
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.worker.block_table import MultiGroupBlockTable, SlotMappingMode
+from vllm.v1.worker.worker_base import CompilationTimes
+
+from kvproof.integrations.vllm.kv_specs import layout_from_vllm
+from kvproof.integrations.vllm.violations import ViolationSink
+from kvproof.integrations.vllm.worker_checks import check_copy_batch
+from kvproof.integrations.vllm.worker_model import WorkerModel
+
+#: What the stand-in workers report as free memory: the pool size comes from
+#: ``--num-gpu-blocks-override`` (required), so this only has to be large enough.
+_AVAILABLE_BYTES = 1 << 40
+
+
+def next_token(token_ids: list[int], vocab_size: int, eos_token_id: Optional[int]) -> int:
+    """The token the stand-in model samples after ``token_ids`` (pure)."""
+    token = (31 * token_ids[-1] + 17 * len(token_ids) + 7) % vocab_size
+    return (token + 1) % vocab_size if token == eos_token_id else token
+
+
+def model_kv_cache_specs(vllm_config) -> dict[str, object]:
+    """The KV-cache spec of every layer of the configured model, as one TP rank reports it.
+    Hybrid models of the Qwen3-Next family (``layer_types`` of ``full_attention`` and
+    ``linear_attention``) and pure attention models are supported; ValueError otherwise."""
+    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    hf = model_config.hf_text_config
+    layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
+    dtype = model_config.dtype if cache_config.cache_dtype == "auto" else cache_config.cache_dtype
+    specs: dict[str, object] = {}
+    mamba_spec = None
+    for i, kind in enumerate(layer_types):
+        name = f"model.layers.{i}"
+        if kind == "full_attention":
+            specs[name] = FullAttentionSpec(
+                block_size=cache_config.block_size,
+                num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
+                head_size=model_config.get_head_size(),
+                dtype=dtype if isinstance(dtype, torch.dtype) else model_config.dtype,
+            )
+        elif kind == "linear_attention":
+            if mamba_spec is None:
+                model_cls, _ = get_model_architecture(model_config)
+                with set_current_vllm_config(vllm_config):
+                    shapes = model_cls.get_mamba_state_shape_from_config(vllm_config)
+                    dtypes = model_cls.get_mamba_state_dtype_from_config(vllm_config)
+                mamba_spec = MambaSpec(
+                    shapes=tuple(shapes), dtypes=tuple(dtypes), block_size=cache_config.mamba_block_size,
+                    page_size_padded=cache_config.mamba_page_size_padded, mamba_type="gdn_attention",
+                    mamba_cache_mode=cache_config.mamba_cache_mode,
+                    num_speculative_blocks=vllm_config.num_speculative_tokens,
+                )
+            specs[name] = mamba_spec
+        else:
+            raise ValueError(f"layer {i} is a {kind!r} layer; the CPU staging executor models full_attention "
+                             "and linear_attention layers")
+    return specs
+
+
+class _Rank:
+    """One TP rank's worker state: its KV-cache spec and its V1 block tables (vLLM's class)."""
+
+    def __init__(self, executor: "CpuStagingExecutor", rank: int) -> None:
+        self.executor = executor
+        self.rank = rank
+        self.tables: Optional[MultiGroupBlockTable] = None
+        self.rows: dict[str, int] = {}
+        self.free_rows: list[int] = []
+
+    # --- vLLM's worker RPCs -----------------------------------------------------------------
+
+    def get_kv_cache_spec(self):
+        return model_kv_cache_specs(self.executor.vllm_config)
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        return ["NHD"]
+
+    def set_kv_cache_layout(self, layout_name: str, cp_kv_cache_interleave_size: int) -> None:
+        pass
+
+    def determine_available_memory(self) -> int:
+        return _AVAILABLE_BYTES
+
+    def initialize_from_config(self, kv_cache_configs) -> None:
+        """Size this rank's tables as vLLM's model runner does (``max_num_blocks_per_req`` of each
+        group's spec; Mamba rows unpadded, attention rows padded)."""
+        vllm_config = self.executor.vllm_config
+        config = kv_cache_configs[self.rank]
+        max_len = vllm_config.model_config.max_model_len
+        specs = [g.kv_cache_spec for g in config.kv_cache_groups]
+        max_reqs = vllm_config.scheduler_config.max_num_seqs
+        self.tables = MultiGroupBlockTable(
+            max_num_reqs=max_reqs,
+            max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+            pin_memory=False,
+            device=torch.device("cpu"),
+            block_sizes=[s.block_size for s in specs],
+            max_num_blocks=[s.max_num_blocks_per_req(vllm_config, max_len) for s in specs],
+            cp_kv_cache_interleave_size=vllm_config.parallel_config.cp_kv_cache_interleave_size,
+            slot_mapping_modes=[SlotMappingMode.NONE if isinstance(s, MambaSpec) else SlotMappingMode.TOKEN_TO_KV_SLOT
+                                for s in specs],
+        )
+        self.free_rows = list(range(max_reqs - 1, -1, -1))
+        if self.rank == 0:
+            self.executor.start_content_model(config)
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(language_model=0.0, encoder=0.0)
+
+    def update_max_model_len(self, max_model_len: int) -> None:
+        pass
+
+    def execute_model(self, scheduler_output):
+        self._update_tables(scheduler_output)
+        return self.executor.run_step(scheduler_output) if self.rank == 0 else None
+
+    def sample_tokens(self, grammar_output):
+        return None
+
+    def take_draft_token_ids(self):
+        return None
+
+    def check_health(self) -> None:
+        pass
+
+    def reset_mm_cache(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    def reset_encoder_cache(self) -> None:
+        pass
+
+    # --- tables -----------------------------------------------------------------------------
+
+    def _release(self, request_id: str) -> None:
+        row = self.rows.pop(request_id, None)
+        if row is not None:
+            self.tables.clear_row(row)
+            self.free_rows.append(row)
+
+    def _admit(self, request_id: str, block_ids) -> None:
+        self._release(request_id)
+        row = self.rows[request_id] = self.free_rows.pop()
+        self.tables.add_row(block_ids, row)
+
+    def _update_tables(self, out) -> None:
+        """As vLLM's V1 model runner updates its persistent batch: finished and preempted
+        requests leave, new and resumed ones get their whole row, running ones append."""
+        for rid in (*out.finished_req_ids, *(out.preempted_req_ids or ())):
+            self._release(rid)
+        for new in out.scheduled_new_reqs:
+            self._admit(new.req_id, new.block_ids)
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            blocks = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids or rid not in self.rows:
+                self._admit(rid, blocks)
+            elif blocks is not None:
+                self.tables.append_row(blocks, self.rows[rid])
+
+
+class CpuStagingExecutor(Executor):
+    """All TP ranks of a model-free engine, in the engine-core process (see the module
+    docstring). Pass its dotted path as ``--distributed-executor-backend``."""
+
+    uses_ray = False
+    supports_pp = False
+
+    def _init_executor(self) -> None:
+        if self.parallel_config.pipeline_parallel_size != 1:
+            raise ValueError("the CPU staging executor runs one pipeline stage; expected --pipeline-parallel-size 1")
+        self.ranks = [_Rank(self, r) for r in range(self.parallel_config.tensor_parallel_size)]
+        self.model: Optional[WorkerModel] = None
+        self.sink: Optional[ViolationSink] = None
+        self.vocab_size = self.model_config.get_vocab_size()
+        self.eos_token_id = getattr(self.model_config.hf_text_config, "eos_token_id", None)
+        self.step = 0
+
+    # --- RPCs -------------------------------------------------------------------------------
+
+    def collective_rpc(self, method: str | Callable, timeout=None, args: tuple = (), kwargs: dict | None = None,
+                       non_block: bool = False):
+        kwargs = kwargs or {}
+        results = []
+        for rank in self.ranks:
+            if isinstance(method, str):
+                if not hasattr(rank, method):
+                    raise NotImplementedError(f"the CPU staging executor has no worker method {method!r}")
+                results.append(getattr(rank, method)(*args, **kwargs))
+            else:
+                results.append(method(rank, *args, **kwargs))
+        return _done(results) if non_block else results
+
+    def execute_model(self, scheduler_output, non_block: bool = False):
+        output = self.collective_rpc("execute_model", args=(scheduler_output,))[0]
+        return _done(output) if non_block else output
+
+    def sample_tokens(self, grammar_output, non_block: bool = False):
+        return _done(None) if non_block else None
+
+    def check_health(self) -> None:
+        pass
+
+    @property
+    def supported_tasks(self):
+        return ("generate",)
+
+    # --- the content model --------------------------------------------------------------------
+
+    def start_content_model(self, kv_cache_config) -> None:
+        self.model = WorkerModel(layout_from_vllm(kv_cache_config, self.vllm_config))
+        self.sink = ViolationSink()
+
+    def run_step(self, out) -> ModelRunnerOutput:
+        """Mutates: apply one step to the content model, check its reads, sample."""
+        self.step += 1
+        check_copy_batch(out.kv_cache_block_copies or (), self.sink, f"step {self.step}")
+        before = len(self.model.violations)
+        self.model.run_step(out)
+        for found in self.model.violations[before:]:
+            inv_id, _, detail = found.partition(": ")
+            self.sink.report(inv_id, f"step {self.step}, {detail}")
+        cached = out.scheduled_cached_reqs
+        starts = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        req_ids, sampled = [], []
+        for rid, n in out.num_scheduled_tokens.items():
+            tokens = self.model.requests[rid].token_ids
+            req_ids.append(rid)
+            if starts[rid] + n >= len(tokens):
+                token = next_token(tokens, self.vocab_size, self.eos_token_id)
+                self.model.sampled(rid, [token])
+                sampled.append([token])
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=sampled)
+
+
+def _done(value) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future

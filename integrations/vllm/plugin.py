@@ -1,0 +1,97 @@
+"""The ``vllm.general_plugins`` entry point: kvproof's checks inside every vLLM process, without
+``--scheduler-cls``.
+
+vLLM loads general plugins once per process -- API server, engine core (before the executor,
+KV-cache set-up and the scheduler), every worker (before the model runner) -- and calls
+``register()``. It is inert unless ``KVPROOF_CONTRACTS`` is set (``cheap`` or ``slow``), so
+installing kvproof changes nothing in production. When it is set, ``register()``:
+
+* refuses a vLLM version the checks were not tested against (they read vLLM internals);
+* wraps ``Scheduler.__init__`` so that every scheduler vLLM builds (sync or async, or a
+  subclass) gets the checks of ``checked_scheduler.install_checks`` -- start-up geometry, then
+  the per-call manager checks;
+* wraps the worker side (``worker_checks``): block-table writes of model runner V1 and V2,
+  checked against each row's capacity for every group before anything is written, and the
+  copy-on-write batch before it runs.
+
+Any failure to install (a bad switch value, an untested version, a missing vLLM hook) raises
+from ``register()``, which vLLM propagates: asking for checks that cannot be had stops the
+engine at start. Calling ``register()`` again in the same process does nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from kvproof.integrations.vllm import TESTED_VLLM_VERSIONS
+from kvproof.integrations.vllm.violations import contracts_mode, violation_action
+
+_installed = False
+
+
+def register() -> None:
+    """vLLM's plugin hook (see the module docstring). Mutates vLLM's classes once per process
+    when ``KVPROOF_CONTRACTS`` is set; does nothing otherwise."""
+    global _installed
+    mode = contracts_mode()
+    if mode is None or _installed:
+        return
+    violation_action()  # a bad KVPROOF_ON_VIOLATION fails here, at start, not at the first violation
+    import vllm
+
+    if vllm.__version__ not in TESTED_VLLM_VERSIONS:
+        raise RuntimeError(
+            f"kvproof: KVPROOF_CONTRACTS={mode} asks for checks, but vLLM {vllm.__version__} is not a version they "
+            f"were tested against ({', '.join(TESTED_VLLM_VERSIONS)}); they read vLLM's internals. Install a "
+            "tested vLLM or unset KVPROOF_CONTRACTS."
+        )
+    _install_scheduler_side()
+    _install_worker_side()
+    _installed = True
+
+
+def _install_scheduler_side() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from kvproof.integrations.vllm.checked_scheduler import install_checks
+
+    original = Scheduler.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        install_checks(self)
+
+    __init__.__wrapped__ = original
+    Scheduler.__init__ = __init__
+
+
+def _install_worker_side() -> None:
+    from vllm.v1.worker import block_table as v1_tables
+    from vllm.v1.worker import utils as worker_utils
+    from vllm.v1.worker.gpu import block_table as v2_tables
+
+    from kvproof.integrations.vllm import worker_checks as wc
+    from kvproof.integrations.vllm.violations import ViolationSink
+
+    sink = ViolationSink()
+    v1 = v1_tables.MultiGroupBlockTable
+    v1.append_row = wc.checked_v1_append_row(v1.append_row, sink)
+    v1.add_row = wc.checked_v1_add_row(v1.add_row, sink)
+    v2 = v2_tables.BlockTables
+    v2.append_block_ids = wc.checked_v2_append_block_ids(v2.append_block_ids, sink)
+    copy = wc.checked_copy_blocks(worker_utils.copy_kv_cache_blocks_inplace, sink)
+    worker_utils.copy_kv_cache_blocks_inplace = copy
+    # The model runners import the function by name; patch the ones already imported (a worker
+    # imports them after this runs and then picks up the wrapped function from utils).
+    for name in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"):
+        module = sys.modules.get(name)
+        if module is not None:
+            if not hasattr(module, "copy_kv_cache_blocks_inplace"):
+                raise RuntimeError(f"kvproof: {name} no longer calls copy_kv_cache_blocks_inplace; cannot check copies")
+            module.copy_kv_cache_blocks_inplace = copy
+
+
+def installed() -> bool:
+    """Whether ``register()`` installed the checks in this process."""
+    return _installed
+

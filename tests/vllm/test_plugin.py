@@ -1,0 +1,210 @@
+"""The ``vllm.general_plugins`` entry point (integrations/vllm/plugin.py) and the worker-side
+checks it installs (worker_checks.py). ``register()`` patches vLLM's classes for the rest of a
+process, so the tests that let it install run in a fresh Python process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+pytest.importorskip("vllm")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import vllm  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.worker.block_table import MultiGroupBlockTable, SlotMappingMode  # noqa: E402
+from vllm.v1.worker.gpu.block_table import BlockTables  # noqa: E402
+
+from kvproof.integrations.vllm import plugin, worker_checks  # noqa: E402
+from kvproof.integrations.vllm.violations import ViolationSink  # noqa: E402
+from kvproof.spec.contracts import InvariantViolation  # noqa: E402
+
+
+# --- register() without installing -----------------------------------------------------------------
+
+def test_the_plugin_is_inert_without_the_switch(monkeypatch):
+    monkeypatch.delenv("KVPROOF_CONTRACTS", raising=False)
+    init = Scheduler.__init__
+    plugin.register()
+    assert Scheduler.__init__ is init and not plugin.installed()
+
+
+@pytest.mark.parametrize("name, value, error", [
+    ("KVPROOF_CONTRACTS", "on", "KVPROOF_CONTRACTS='on'; expected one of cheap, slow"),
+    ("KVPROOF_ON_VIOLATION", "warn", "KVPROOF_ON_VIOLATION='warn'; expected one of raise, log"),
+])
+def test_bad_switch_values_fail_at_register(monkeypatch, name, value, error):
+    monkeypatch.setenv("KVPROOF_CONTRACTS", "cheap")
+    monkeypatch.setenv(name, value)
+    init = Scheduler.__init__
+    with pytest.raises(ValueError, match=error):
+        plugin.register()
+    assert Scheduler.__init__ is init
+
+
+def test_an_untested_vllm_version_is_refused(monkeypatch):
+    monkeypatch.setenv("KVPROOF_CONTRACTS", "cheap")
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    init = Scheduler.__init__
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.34\.0 is not a version they were tested against \(0\.33\.0\)"):
+        plugin.register()
+    assert Scheduler.__init__ is init
+
+
+# --- the worker-side checks (wrapped here by hand, not installed) ----------------------------------
+
+def _v1_tables(widths):
+    return MultiGroupBlockTable(max_num_reqs=2, max_num_batched_tokens=64, pin_memory=False, device=torch.device("cpu"),
+                                block_sizes=[16] * len(widths), max_num_blocks=widths,
+                                slot_mapping_modes=[SlotMappingMode.NONE] * len(widths))
+
+
+def test_v1_row_overflow_is_refused_before_any_group_is_written():
+    """vLLM's V1 table bumps the row count, then numpy raises (reference 10.6); checked, the
+    write is refused first and nothing changes."""
+    tables = _v1_tables([8, 4])
+    tables.add_row(([1, 2, 3], [4, 5, 6]), 0)
+    append = worker_checks.checked_v1_append_row(MultiGroupBlockTable.append_row, ViolationSink("raise"))
+    with pytest.raises(InvariantViolation, match=r"INV-TABLE-WRITE-BOUND: row 0, group 1: a write of 2 block ids at "
+                                                 r"entry 3 ends at 5, past the row capacity of 4"):
+        append(tables, ([7, 8], [9, 10]), 0)
+    assert [int(t.num_blocks_per_row[0]) for t in tables.block_tables] == [3, 3]
+    with pytest.raises(ValueError):  # control: vLLM alone
+        tables.append_row(([7, 8], [9, 10]), 0)
+    assert [int(t.num_blocks_per_row[0]) for t in tables.block_tables] == [5, 5]
+
+
+class _StagedRow:
+    """Stand-in for V2's pinned-memory StagedWriteTensor (not constructible on CPU)."""
+
+    def __init__(self, width):
+        self.gpu = torch.zeros(2, width, dtype=torch.int32)
+        self.staged = []
+
+    def stage_write(self, row, start, ids):
+        self.staged.append((row, start, list(ids)))
+
+
+def _v2_tables(widths):
+    tables = object.__new__(BlockTables)  # vLLM's own append_block_ids runs on these members
+    tables.num_kv_cache_groups = len(widths)
+    tables.num_blocks = type("Counts", (), {"np": np.zeros((len(widths), 2), dtype=np.int32)})()
+    tables.block_tables = [_StagedRow(w) for w in widths]
+    tables.redirect_writes_to_null_block = False
+    return tables
+
+
+def test_v2_overflow_in_a_later_group_stages_nothing_in_earlier_ones():
+    tables = _v2_tables([8, 2])
+    append = worker_checks.checked_v2_append_block_ids(BlockTables.append_block_ids, ViolationSink("raise"))
+    with pytest.raises(InvariantViolation, match=r"INV-TABLE-WRITE-BOUND: request row 0, group 1: a write of 3 block "
+                                                 r"ids at entry 0 ends at 3, past the row capacity of 2"):
+        append(tables, 0, ([1, 2, 3], [4, 5, 6]), True)
+    assert tables.block_tables[0].staged == [] and tables.num_blocks.np[0, 0] == 0
+    with pytest.raises(RuntimeError, match="exceeds row capacity"):  # control: vLLM alone, group by group
+        BlockTables.append_block_ids(tables, 0, ([1, 2, 3], [4, 5, 6]), True)
+    assert tables.block_tables[0].staged == [(0, 0, [1, 2, 3])] and tables.num_blocks.np[0, 0] == 3
+
+
+def test_a_chained_copy_batch_is_refused_before_it_runs():
+    copied = []
+    copy = worker_checks.checked_copy_blocks(lambda caches, n, copies: copied.extend(copies), ViolationSink("raise"))
+    copy([], 16, [KVCacheBlockCopy(1, 2), KVCacheBlockCopy(3, 4)])
+    with pytest.raises(InvariantViolation, match=r"INV-COW-SOURCE-READY: worker copy batch: copy 2 -> 3 writes block 3, "
+                                                 r"which another copy of the batch reads"):
+        copy([], 16, [KVCacheBlockCopy(5, 6), KVCacheBlockCopy(2, 3), KVCacheBlockCopy(3, 7)])
+    assert len(copied) == 2
+
+
+# --- the plugin through vLLM's own plugin loading, in a fresh process -------------------------------
+
+_INSTALLED = textwrap.dedent("""
+    import json, os
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker import block_table, utils
+    from kvproof.integrations.vllm import plugin
+    from kvproof.spec.contracts import InvariantViolation
+    load_general_plugins()
+    wrapped_init = Scheduler.__init__
+    plugin.register()  # again: nothing changes
+    report = {"installed": plugin.installed(), "idempotent": Scheduler.__init__ is wrapped_init,
+              "scheduler": hasattr(Scheduler.__init__, "__wrapped__"),
+              "tables": hasattr(block_table.MultiGroupBlockTable.append_row, "__wrapped__"),
+              "copies": hasattr(utils.copy_kv_cache_blocks_inplace, "__wrapped__")}
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from kvproof.integrations.vllm.tiny_model import tiny_model_dir
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=tiny_model_dir(), skip_tokenizer_init=True, block_size=4, prefix_match_unit=2,
+        num_gpu_blocks_override=512, enable_prefix_caching=True, max_model_len=256, max_num_seqs=16,
+        max_num_batched_tokens=64,
+        distributed_executor_backend="kvproof.integrations.vllm.cpu_executor.CpuStagingExecutor"))
+    core = engine.engine_core.engine_core
+    report["checker"] = hasattr(core.scheduler.kv_cache_manager, "_kvproof_checker")
+    requests, step = [("r0", 11, 1), ("r2", 17, 1), ("r1", 13, 2)], 0
+    try:
+        while requests or engine.has_unfinished_requests():
+            step += 1
+            for rid, n, arrival in [r for r in requests if r[2] <= step]:
+                engine.add_request(rid, {"prompt_token_ids": [0] * n}, SamplingParams(max_tokens=1, ignore_eos=True))
+                requests.remove((rid, n, arrival))
+            engine.step()
+    except InvariantViolation as e:
+        report["violation"] = str(e)
+    engine.engine_core.shutdown()
+    print("REPORT " + json.dumps(report))
+""")
+
+
+def _run_fresh(script, **env):
+    environment = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "KVPROOF_CONTRACTS")}
+    environment.update(VLLM_TARGET_DEVICE="cpu", VLLM_ENABLE_V1_MULTIPROCESSING="0", **env)
+    done = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
+    assert lines, done.stderr[-3000:]
+    return json.loads(lines[-1][len("REPORT "):])
+
+
+def test_the_plugin_installs_every_check_through_vllms_plugin_loader():
+    """KVPROOF_CONTRACTS=cheap and no --scheduler-cls: vLLM's loader runs register(), every
+    scheduler gets the checks, the worker side is wrapped, and vLLM 0.33.0's copy of a block not
+    yet written is reported inside the in-process engine."""
+    report = _run_fresh(_INSTALLED, KVPROOF_CONTRACTS="cheap")
+    assert report["installed"] and report["idempotent"] and report["scheduler"]
+    assert report["tables"] and report["copies"] and report["checker"]
+    assert report["violation"].startswith("INV-COW-SOURCE-READY: step 4, request 'r1-")
+
+
+def test_without_the_switch_the_installed_plugin_changes_nothing():
+    """Nothing of vLLM is wrapped; what still stops this run is the staging executor's own check of
+    the copy batch it is handed (the executor always checks: that is its job)."""
+    report = _run_fresh(_INSTALLED)
+    assert not report["installed"] and not report["scheduler"] and not report["tables"] and not report["checker"]
+    assert report["violation"].startswith("INV-COW-SOURCE-READY: step 4: copy 5 -> 7 writes block 7, which another copy")
+
+
+_UNTESTED = textwrap.dedent("""
+    import vllm
+    vllm.__version__ = "0.34.0"
+    from vllm.plugins import load_general_plugins
+    try:
+        load_general_plugins()  # what every vLLM process runs at start
+    except RuntimeError as e:
+        print("REPORT " + __import__("json").dumps({"error": str(e)}))
+""")
+
+
+def test_an_untested_version_stops_vllm_at_plugin_loading():
+    report = _run_fresh(_UNTESTED, KVPROOF_CONTRACTS="slow")
+    assert "vLLM 0.34.0 is not a version they were tested against" in report["error"]
