@@ -29,6 +29,7 @@ def _allocate_from_the_tail(s, n):
         tuple(None if b in taken else k for b, k in enumerate(s.key)),
         tuple(0 if b in taken else t for b, t in enumerate(s.ntok)),
         s.stamp, s.free[: len(s.free) - n], s.clock,
+        tuple(() if b in taken else p for b, p in enumerate(s.prefixes)),
     )
     return state, taken
 
@@ -43,7 +44,7 @@ def _touch_removing_every_block_from_the_free_queue(s, blocks):
         if b != pool.NULL_BLOCK:
             free.remove(b)  # a held block is not there: ValueError from the body
     ref = tuple(r + sum(1 for x in blocks if x == b) if b else r for b, r in enumerate(s.ref))
-    return PoolState(ref, s.key, s.ntok, s.stamp, tuple(free), s.clock)
+    return PoolState(ref, s.key, s.ntok, s.stamp, tuple(free), s.clock, s.prefixes)
 
 
 def _evict_nothing(s, blocks):
@@ -56,7 +57,7 @@ def _evict_nothing(s, blocks):
         ("allocate", _allocate_from_the_tail, "not the head of the free queue"),
         ("touch", _touch_once_per_block, "listed 2 time(s)"),
         ("touch", _touch_removing_every_block_from_the_free_queue, "ValueError from the body"),
-        ("evict", _evict_nothing, "INV-POOL-KEY-CONSISTENT: evicted blocks have no key"),
+        ("evict", _evict_nothing, "INV-POOL-PREFIX-KEYS: evicted blocks have no key"),
     ],
     ids=lambda x: getattr(x, "__name__", None) if callable(x) else None,
 )

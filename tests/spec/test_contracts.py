@@ -124,7 +124,7 @@ def test_the_thorough_profile_reaches_every_property_test(tmp_path):
         if p.name != "test_contracts.py"  # this file names both in its text
     )
     assert len(reached) >= declared >= 20, (len(reached), declared)
-    assert set(reached.values()) == {"2000"}
+    assert all(int(n) >= 2000 for n in reached.values()), reached
     assert any("test_block_pool_machine.py" in n for n in reached) and any("test_coordinator_machine.py" in n for n in reached)
 
 

@@ -74,7 +74,7 @@ def split_cases(draw):
     return rule, scheduler_block, start, num_new, num_tokens, num_prompt, junction, threshold, budget
 
 
-@settings(max_examples=3000, **REACH_SETTINGS)
+@settings(max_examples=1500, **REACH_SETTINGS)
 @given(split_cases())
 def test_kvproof_ends_every_chunk_where_vllm_does(reach, case):
     reach.minimums = {"waits": 30, "junction stop": 60, "tail stop": 60, "stops early": 200}
