@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
             "preemptions": result.preemptions,
             "steps": result.steps,
             "steps_run": result.steps_run,
+            "peak_blocks_per_group": list(result.peak_blocks_per_group),
         },
         "violations": result.violations,
     }
@@ -82,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
             f"\nhit rate {t['hit_rate']:.1%}, {t['cow_copies']} copy-on-write copies, {t['evictions']} evictions, "
             f"{t['preemptions']} preemptions, {t['steps']} steps"
         )
+        labels = ", ".join(f"{g.group.label} {n:,}" for g, n in zip(layout.groups, result.peak_blocks_per_group))
+        print(f"peak blocks held per group (in use or cached): {labels}")
         if result.violations:
             print(f"\n{len(result.violations)} violation(s):")
             for v in result.violations:

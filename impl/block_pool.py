@@ -59,7 +59,7 @@ class BlockPool:
 
     __slots__ = (
         "_num_blocks", "_ref", "_key", "_ntok", "_prefixes", "_holders", "_next", "_prev", "_head", "_tail", "_num_free",
-        "num_evictions",
+        "num_evictions", "_group", "_occupied",
     )
 
     @slow_tier
@@ -88,6 +88,10 @@ class BlockPool:
         self._num_free = num_blocks - 1
         #: Cached blocks ``allocate`` has evicted (their key dropped to reuse the block).
         self.num_evictions = 0
+        # The group each block was last allocated to, and per group the blocks it occupies:
+        # held (ref > 0) or cached (keyed, evictable). Memory accounting only.
+        self._group = [0] * num_blocks
+        self._occupied: list[int] = []
 
     def __repr__(self) -> str:
         return f"BlockPool(num_blocks={self._num_blocks}, free={self._num_free}, keys={len(self._holders)})"
@@ -154,6 +158,11 @@ class BlockPool:
             b = nxt[b]
         return tuple(out)
 
+    def occupancy(self) -> tuple[int, ...]:
+        """Blocks each group occupies now -- held by a request, or cached and not yet evicted --
+        indexed by the group ids ``allocate`` was given. O(groups)."""
+        return tuple(self._occupied)
+
     def num_cached_keys(self) -> int:
         """Number of distinct keys in the cache (primary and prefix keys)."""
         return len(self._holders)
@@ -178,8 +187,9 @@ class BlockPool:
         enabled=True,
     )
     @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after allocate", enabled=True)
-    def allocate(self, n: int) -> Optional[list[int]]:
-        """Mutates. Take ``n`` blocks from the head of the free queue, each with ref 1 and no key.
+    def allocate(self, n: int, group: int = 0) -> Optional[list[int]]:
+        """Mutates. Take ``n`` blocks from the head of the free queue, each with ref 1 and no key,
+        for cache group ``group`` (memory accounting: :meth:`occupancy`).
 
         A popped cached block is evicted: its key is dropped (so it is never hit again). Returns
         None and changes nothing when fewer than ``n`` blocks are free (INV-POOL-ATOMIC); callers
@@ -187,9 +197,14 @@ class BlockPool:
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"allocate: block count {n!r} must be an int >= 0")
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < 1 << 16:
+            raise ValueError(f"allocate: group {group!r} must be an int in [0, 65536)")
         if n > self._num_free:
             return None
         ref, key, nxt, prv = self._ref, self._key, self._next, self._prev
+        occupied, owner = self._occupied, self._group
+        while len(occupied) <= group:
+            occupied.append(0)
         out = []
         b = nxt[self._head]
         for _ in range(n):
@@ -198,6 +213,9 @@ class BlockPool:
             if key[b] is not None:
                 self._drop_key(b)
                 self.num_evictions += 1
+                occupied[owner[b]] -= 1
+            owner[b] = group
+            occupied[group] += 1
             ref[b] = 1
             out.append(b)
             following = nxt[b]
@@ -284,6 +302,7 @@ class BlockPool:
                 freed += 1
                 if key[b] is None:
                     uncached.append(b)
+                    self._occupied[self._group[b]] -= 1
                 else:  # cached: append at the tail (evicted last)
                     last = prv[tail]
                     nxt[last], prv[b], nxt[b], prv[tail] = b, last, tail, b
@@ -416,6 +435,8 @@ class BlockPool:
             if self._key[b] is not None:
                 self._drop_key(b)
                 dropped += 1
+                if self._ref[b] == 0:  # a free block that no longer caches anything
+                    self._occupied[self._group[b]] -= 1
         return dropped
 
     @icontract.ensure(
@@ -441,6 +462,11 @@ class BlockPool:
             self._ntok[b] = 0
         self._prefixes.clear()
         self._holders.clear()
+        occupied = [0] * len(self._occupied)  # no block is cached any more: only held ones count
+        for b in range(1, self._num_blocks):
+            if self._ref[b]:
+                occupied[self._group[b]] += 1
+        self._occupied = occupied
         return True
 
     @icontract.ensure(
@@ -569,6 +595,11 @@ class BlockPool:
             listed += len(blocks)
             check(len(set(lengths)) == 1, "INV-POOL-KEY-LENGTH", f"key {k!r} is held with lengths {lengths} by blocks {blocks}")
         check(listed == len(carried), "INV-POOL-KEY-CONSISTENT", f"blocks carry {len(carried)} keys but the key map lists {listed}")
+        occupied = [0] * len(self._occupied)
+        for b in range(1, nb):
+            if ref[b] > 0 or key[b] is not None:
+                occupied[self._group[b]] += 1
+        check(occupied == self._occupied, "INV-POOL-CONSERVE", f"occupancy per group counted {occupied}, kept {self._occupied}")
         return True
 
     def _check_free_queue(self) -> set[int]:

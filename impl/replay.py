@@ -57,6 +57,10 @@ class ReplayResult:
     prefill_tokens: int = 0
     #: Steps actually scheduled (``steps`` minus the skipped idle ones).
     steps_run: int = 0
+    #: Per group, the most blocks it occupied at once (held by requests, or cached and not yet
+    #: evicted), measured after each step's allocations: what the group's memory must hold.
+    #: Retention trades this against hits (a Mamba state block is large).
+    peak_blocks_per_group: tuple[int, ...] = ()
 
     @property
     def hit_rate(self) -> float:
@@ -114,6 +118,7 @@ def replay(
     hash_block = layout.hash_block_size
     result = ReplayResult([], 0, 0, 0, 0, [])
     outcomes: dict[int, RequestOutcome] = {}
+    peak = [0] * len(layout.groups)
     live: dict[str, tuple[int, Request]] = {}  # request id -> (trace index, request), until finished
 
     def record(index: int, req: Request) -> None:
@@ -160,6 +165,9 @@ def replay(
                     )
                 plan = sched.schedule()
                 result.steps_run += 1
+                for g, blocks in enumerate(kv.pool.occupancy()):
+                    if blocks > peak[g]:
+                        peak[g] = blocks
                 if not plan.chunks:
                     raise InvariantViolation(
                         "INV-REPLAY-PROGRESS",
@@ -197,4 +205,5 @@ def replay(
     result.cow_copies = kv.num_copies
     result.evictions = kv.pool.num_evictions
     result.preemptions = sched.num_preemptions
+    result.peak_blocks_per_group = tuple(peak)
     return result

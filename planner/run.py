@@ -153,7 +153,7 @@ def run_config(
         preemptions=result.preemptions,
         steps=result.steps,
         attention_cached_tokens=attention_cached if attention else result.cached_tokens,
-        peak_blocks_per_group=None,
+        peak_blocks_per_group=_per_layout_group(result.peak_blocks_per_group, pool),
         table_bytes_per_group=_per_layout_group(tables, pool),
         largest_request=fits,
         violations=result.violations,

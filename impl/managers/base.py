@@ -158,7 +158,7 @@ class SingleTypeManager:
                 keyed.add(blk)
 
     def _fresh(self, n: int) -> list[int]:
-        blocks = self.pool.allocate(n)
+        blocks = self.pool.allocate(n, self.group_id)
         if blocks is None:
             # The coordinator sized every group before allocating anything, so this is a bug.
             raise InvariantViolation(

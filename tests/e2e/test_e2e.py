@@ -30,7 +30,8 @@ def test_served_logits_equal_recomputation(served, dcp):
     assert r.hits["b"] == [0]  # admitted with a, in the step that writes the shared prefix
     assert r.hits["c"] == [42]  # inside the attention block a writes in the same step
     assert r.hits["d"] == [48]  # a's next turn: prompt + outputs
-    assert r.hits["e"] == [32] and r.hits["f"] == [0]  # another cache salt: no hit
+    assert r.hits["e"] == [34]  # b's prompt again: all but its last token (prefix keys)
+    assert r.hits["f"] == [0]  # another cache salt: no hit
 
 
 def test_dcp_sizes_give_the_same_logits(served):

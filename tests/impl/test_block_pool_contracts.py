@@ -58,7 +58,7 @@ SEEDED_BUGS = {
         lambda pool: (pool.allocate(1), pool.allocate(5)),
     ),
     "INV-POOL-ALLOC-FRESH": (
-        ("            if key[b] is not None:\n                self._drop_key(b)\n", ""),
+        ("                self._drop_key(b)\n                self.num_evictions += 1\n", "                self.num_evictions += 1\n"),
         lambda pool: (pool.allocate(1), pool.cache_full(1, ("k", 0), 2), pool.free([1]), pool.allocate(3)),
     ),
     "INV-POOL-REF-NONNEG: touch adds one reference": (
@@ -78,7 +78,9 @@ SEEDED_BUGS = {
         lambda pool: (pool.allocate(1), pool.cache_full(1, ("k", 0), 4)),
     ),
     "INV-POOL-PREFIX-KEYS: evicted blocks have no key": (
-        ("            if self._key[b] is not None:\n                self._drop_key(b)\n                dropped += 1\n", "            pass\n"),
+        ("            if self._key[b] is not None:\n                self._drop_key(b)\n                dropped += 1\n"
+         "                if self._ref[b] == 0:  # a free block that no longer caches anything\n"
+         "                    self._occupied[self._group[b]] -= 1\n", "            pass\n"),
         lambda pool: (pool.allocate(1), pool.cache_full(1, ("k", 0), 2), pool.evict([1])),
     ),
     "INV-POOL-PREFIX-KEYS: with keep_prefixes the block keeps every key it had": (
