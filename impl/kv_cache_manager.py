@@ -72,6 +72,14 @@ class KVCacheManager:
         if hit.num_tokens:
             yield self.coordinator.miss
 
+    def keyed_lengths(self, request: Request, start: int, end: int) -> list[int]:
+        """The lengths in ``(start, end]`` a request sharing that prefix can hit once a chunk
+        computing ``[start, end)`` of ``request`` has run: where every group will hold an entry
+        (each manager's own caching rule says where, ``keyed_lengths``). No state change."""
+        per_group = [m.keyed_lengths(request, start, end) for m in self.managers]
+        fewest = min(per_group, key=len)
+        return [n for n in fewest if all(n in lengths for lengths in per_group)]
+
     def block_table(self, request: Request) -> tuple[list[int], ...]:
         """The request's current block list per group (copies; for tests and the oracle)."""
         return tuple(list(m.tables.get(request.request_id, ())) for m in self.managers)

@@ -61,7 +61,13 @@ class StepPlan:
 
 class Scheduler:
     """``long_prefill_token_threshold`` (vLLM's): when more than one request is running or
-    waiting, no chunk takes more than that many tokens (0: no cap)."""
+    waiting, no chunk takes more than that many tokens (0: no cap).
+
+    A waiting request whose prefix another request computes in this very step, further than the
+    cache can give it now, waits for the next step: keys appear only after the forward pass, so
+    admitting it now would recompute what the cache holds one step later (vLLM 0.33.0 defers a
+    same-step Mamba hit the same way). ``num_producer_waits`` counts those waits.
+    """
 
     def __init__(
         self, kv: KVCacheManager, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
@@ -82,7 +88,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished: list[Request] = []
         self.num_preemptions = 0
+        self.num_producer_waits = 0
         self.step = 0
+        # hashes of the prefixes this step's chunks will key (hittable after the step)
+        self._keyed_this_step: set[bytes] = set()
         self._splitter = _splitter_for(kv, max_num_batched_tokens, long_prefill_token_threshold)
 
     def add_request(self, request: Request) -> None:
@@ -117,6 +126,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         scheduled: set[str] = set()
+        self._keyed_this_step = set()
         queue = list(self.running)
         i = 0
         while i < len(queue) and budget > 0:
@@ -143,6 +153,7 @@ class Scheduler:
             if blocks is None:
                 continue
             chunks.append(ScheduledChunk(req, start, end - start, blocks, overwrite=False))
+            self._note_keyed(req, start, end)
             scheduled.add(req.request_id)
             budget -= end - start
             i += 1
@@ -155,6 +166,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
             chunks.append(admitted)
+            self._note_keyed(req, admitted.start, admitted.start + admitted.num_tokens)
             budget -= admitted.num_tokens
         return StepPlan(self.step, chunks, self.kv.take_block_copies(), preempted)
 
@@ -165,6 +177,9 @@ class Scheduler:
         that fits an empty pool without a hit is always admitted. Raises CapacityError when
         not even that fits."""
         hit = self.kv.lookup(req)
+        if self._producer_in_flight(req, hit.num_tokens):
+            self.num_producer_waits += 1
+            return None
         fallbacks = self.kv.cheaper_hits(req, hit) if alone else iter(())
         while True:
             req.junctions = hit.junctions
@@ -184,6 +199,22 @@ class Scheduler:
                         f"({self.kv.pool.num_blocks - 1} blocks, {self.kv.pool.num_free} free); raise --num-blocks",
                     )
                 return None
+
+    def _note_keyed(self, req: Request, start: int, end: int) -> None:
+        """Record the prefixes ``req``'s chunk ``[start, end)`` keys once this step has run."""
+        h = self.kv.layout.hash_block_size
+        self._keyed_this_step.update(req.block_hashes[n // h - 1] for n in self.kv.keyed_lengths(req, start, end))
+
+    def _producer_in_flight(self, req: Request, hit: int) -> bool:
+        """Whether this step keys a prefix ``req`` shares beyond ``hit`` (and short of its last
+        token, which it must compute). O(hit-grid lengths between the hit and the prompt end),
+        nothing when the step keys nothing."""
+        keyed = self._keyed_this_step
+        if not keyed:
+            return False
+        hashes, h, a = req.block_hashes, self.kv.layout.hash_block_size, self.kv.coordinator.alignment
+        top = min(req.num_tokens - 1, len(hashes) * h) // a * a
+        return any(hashes[n // h - 1] in keyed for n in range(top, hit, -a))
 
     def _preempt(self, request: Request, preempted: list[Request]) -> None:
         self.kv.free(request)

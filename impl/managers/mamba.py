@@ -3,6 +3,8 @@ every DCP rank, kept in the block at index ``cdiv(n, B) - 1`` after ``n`` comput
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from kvproof.impl.block_pool import NULL_BLOCK
 from kvproof.impl.hashing import key_at
 from kvproof.impl.managers.base import SingleTypeManager
@@ -174,12 +176,7 @@ class MambaManager(SingleTypeManager):
                 f"request {rid!r}, group {self.group_id}: state after {n} tokens must be at index "
                 f"{expected_index}, the table's state is at {index}",
             )
-        if n % h or n > request.hashed_len or not self.group.prefix_cacheable:
-            return
-        if n % b and n > request.num_prompt_tokens:
-            return  # past the prompt a state mid-block is the running one: not a checkpoint
-        if not keeps_state(n, self.retention, num_prompt_tokens=request.num_prompt_tokens,
-                           junctions=request.junctions, exact_junction=self.exact_junction):
+        if not self._keeps(request, n):
             return
         block = table[index]
         key = key_at(request.block_hashes, n, h, self.group_id)
@@ -188,6 +185,19 @@ class MambaManager(SingleTypeManager):
                 self.ledger.keyed.add(block)
         elif pool.cache_partial(block, key, n, replace=True):
             self.ledger.keyed.add(block)
+
+    def _keeps(self, request: Request, n: int) -> bool:
+        """Whether the state after ``n`` computed tokens is keyed (retention, ``spec.retention``)."""
+        if n % self.hash_block_size or n > request.hashed_len or not self.group.prefix_cacheable:
+            return False
+        if n % self.block_size and n > request.num_prompt_tokens:
+            return False  # past the prompt a state mid-block is the running one: not a checkpoint
+        return keeps_state(n, self.retention, num_prompt_tokens=request.num_prompt_tokens,
+                           junctions=request.junctions, exact_junction=self.exact_junction)
+
+    def keyed_lengths(self, request: Request, start: int, end: int) -> Sequence[int]:
+        """Only the state the chunk ends on, if it is kept."""
+        return (end,) if end > start and end % self.alignment == 0 and self._keeps(request, end) else ()
 
     def check_real_blocks(self, request: Request) -> None:
         """INV-MAMBA-REAL-BLOCKS: between steps a request holds at most ``1 + speculative`` real
