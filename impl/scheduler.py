@@ -18,6 +18,7 @@ import bisect
 import collections
 import dataclasses
 import operator
+from typing import Optional
 
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
@@ -90,8 +91,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_producer_waits = 0
         self.step = 0
-        # hashes of the prefixes this step's chunks will key (hittable after the step)
-        self._keyed_this_step: set[bytes] = set()
+        # this step's chunks (request, start, end), and the hashes of the prefixes they will key
+        # (hittable after the step), worked out only once a waiting request asks
+        self._chunks_this_step: list[tuple[Request, int, int]] = []
+        self._keyed_this_step: Optional[set[bytes]] = None
         self._splitter = _splitter_for(kv, max_num_batched_tokens, long_prefill_token_threshold)
 
     def add_request(self, request: Request) -> None:
@@ -126,7 +129,8 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         scheduled: set[str] = set()
-        self._keyed_this_step = set()
+        self._chunks_this_step = []
+        self._keyed_this_step = None
         queue = list(self.running)
         i = 0
         while i < len(queue) and budget > 0:
@@ -153,7 +157,7 @@ class Scheduler:
             if blocks is None:
                 continue
             chunks.append(ScheduledChunk(req, start, end - start, blocks, overwrite=False))
-            self._note_keyed(req, start, end)
+            self._note_chunk(req, start, end)
             scheduled.add(req.request_id)
             budget -= end - start
             i += 1
@@ -166,7 +170,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
             chunks.append(admitted)
-            self._note_keyed(req, admitted.start, admitted.start + admitted.num_tokens)
+            self._note_chunk(req, admitted.start, admitted.start + admitted.num_tokens)
             budget -= admitted.num_tokens
         return StepPlan(self.step, chunks, self.kv.take_block_copies(), preempted)
 
@@ -200,8 +204,17 @@ class Scheduler:
                     )
                 return None
 
-    def _note_keyed(self, req: Request, start: int, end: int) -> None:
-        """Record the prefixes ``req``'s chunk ``[start, end)`` keys once this step has run."""
+    def _note_chunk(self, req: Request, start: int, end: int) -> None:
+        """Record that ``req`` computes ``[start, end)`` in this step, if it reaches a new length
+        on the hit grid (only those can be keyed; most decode steps do not)."""
+        a = self.kv.coordinator.alignment
+        if end // a == start // a:
+            return
+        self._chunks_this_step.append((req, start, end))
+        if self._keyed_this_step is not None:
+            self._add_keyed(req, start, end)
+
+    def _add_keyed(self, req: Request, start: int, end: int) -> None:
         h = self.kv.layout.hash_block_size
         self._keyed_this_step.update(req.block_hashes[n // h - 1] for n in self.kv.keyed_lengths(req, start, end))
 
@@ -209,6 +222,10 @@ class Scheduler:
         """Whether this step keys a prefix ``req`` shares beyond ``hit`` (and short of its last
         token, which it must compute). O(hit-grid lengths between the hit and the prompt end),
         nothing when the step keys nothing."""
+        if self._keyed_this_step is None:
+            self._keyed_this_step = set()
+            for chunk in self._chunks_this_step:
+                self._add_keyed(*chunk)
         keyed = self._keyed_this_step
         if not keyed:
             return False

@@ -52,6 +52,7 @@ class MambaManager(SingleTypeManager):
         # (entries below the state are never made real again), so INV-MAMBA-REAL-BLOCKS costs
         # O(entries the request's state passed since the last check)
         self._checked_below: dict[str, int] = {}
+        self._real_limit = 1 + self.group.num_speculative_blocks
 
     def row_length(self, total_tokens: int) -> int:
         return -(-total_tokens // self.block_size) + self._spec
@@ -176,6 +177,8 @@ class MambaManager(SingleTypeManager):
                 f"request {rid!r}, group {self.group_id}: state after {n} tokens must be at index "
                 f"{expected_index}, the table's state is at {index}",
             )
+        if self._checked_below.get(rid) != index or len(table) - index > self._real_limit:
+            self.check_real_blocks(request)  # INV-MAMBA-REAL-BLOCKS, skipped when nothing moved
         if not self._keeps(request, n):
             return
         block = table[index]
@@ -209,9 +212,9 @@ class MambaManager(SingleTypeManager):
             return
         index = max(self._state_index[rid], 0)
         low = self._checked_below.get(rid, 0)
+        limit = self._real_limit
         stray = [i for i in range(low, min(index, len(table))) if table[i] != NULL_BLOCK]
         real = len(stray) + sum(1 for x in table[index:] if x != NULL_BLOCK)
-        limit = 1 + self.group.num_speculative_blocks
         if real > limit:
             where = f" (kept below the state at row index {index}: {stray})" if stray else ""
             raise InvariantViolation(
