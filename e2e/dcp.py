@@ -36,6 +36,7 @@ import pickle
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -237,9 +238,32 @@ def rank_context() -> multiprocessing.context.BaseContext:
     ctx.set_forkserver_preload(list(_PRELOAD))
     # Started here (once per process) so that it inherits these variables; its socket lives
     # in multiprocessing's temporary directory, which the server removes when it ends.
-    with _environment(OMP_NUM_THREADS="1", KVPROOF_FORKSERVER_DIR=multiprocessing.util.get_temp_dir()):
+    with _environment(OMP_NUM_THREADS="1", KVPROOF_FORKSERVER_DIR=_socket_temp_dir()):
         multiprocessing.forkserver.ensure_running()
     return ctx
+
+
+#: ``sun_path`` holds 108 bytes; the server's socket is ``<tmp>/pymp-XXXXXXXX/listener-XXXXXXXX``.
+_SOCKET_PATH_MAX, _SOCKET_SUFFIX = 107, len("/pymp-xxxxxxxx/listener-xxxxxxxx")
+
+
+def _socket_temp_dir() -> str:
+    """multiprocessing's temporary directory (removed when this process ends), made under
+    ``/tmp`` when the temporary directory's path (TMPDIR) is too long for a Unix socket."""
+    base = tempfile.gettempdir()
+    if len(os.fsencode(base)) + _SOCKET_SUFFIX <= _SOCKET_PATH_MAX:
+        return multiprocessing.util.get_temp_dir()
+    if not os.access("/tmp", os.W_OK | os.X_OK):
+        raise ValueError(
+            f"the temporary directory {base!r} ({len(os.fsencode(base))} bytes) is too long for the rank "
+            f"processes' Unix socket (at most {_SOCKET_PATH_MAX - _SOCKET_SUFFIX} bytes) and /tmp is not "
+            "writable; set TMPDIR to a shorter directory"
+        )
+    saved, tempfile.tempdir = tempfile.tempdir, "/tmp"
+    try:
+        return multiprocessing.util.get_temp_dir()
+    finally:
+        tempfile.tempdir = saved
 
 
 def _run_once(fn: Callable, world_size: int, args: tuple, timeout_s: float) -> _Outcome:
