@@ -23,7 +23,6 @@ from kvproof.impl.block_pool import BlockPool
 from kvproof.impl.coordinator import Hit, HybridCoordinator
 from kvproof.impl.managers import MambaManager
 from kvproof.impl.request import Request
-from kvproof.spec import contracts
 from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.layout import Layout
 

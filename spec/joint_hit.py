@@ -23,7 +23,7 @@ from typing import Callable, Sequence, TypeVar
 
 import icontract
 
-from kvproof.spec.arith import cdiv, floor_to
+from kvproof.spec.arith import floor_to
 
 Has = Callable[[int], bool]
 T = TypeVar("T")
