@@ -13,17 +13,19 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvproof.impl.block_pool import NULL_BLOCK, BlockPool
-from kvproof.spec.eviction import DEFAULT_COMPUTE_MODEL, DEFAULT_WEIGHT, ComputeModel, block_value
+from kvproof.spec import eviction
+from kvproof.spec.eviction import DEFAULT_COMPUTE_MODEL, ComputeModel, block_value
 from kvproof.spec.groups import GroupKind
 from kvproof.spec.layout import Layout
 
 
 class EvictionValuer:
-    """Per-request chain facts, and the values of released blocks (FLOPs per block)."""
+    """Per-request chain facts, and the values (in releases, ``spec.eviction.block_value``) of released blocks."""
 
-    def __init__(self, layout: Layout, num_blocks: int, model: ComputeModel = DEFAULT_COMPUTE_MODEL, weight: float = DEFAULT_WEIGHT) -> None:
+    def __init__(self, layout: Layout, num_blocks: int, model: ComputeModel = DEFAULT_COMPUTE_MODEL, weight: float | None = None) -> None:
         self.model = model
-        self.weight = weight
+        #: Marconi's alpha (``spec.eviction.DEFAULT_WEIGHT``, read when the valuer is built).
+        self.weight = eviction.DEFAULT_WEIGHT if weight is None else weight
         self.generation = num_blocks  # releases in one turnover of the pool
         self._mamba_groups = tuple(g.index for g in layout.groups if g.group.kind is GroupKind.MAMBA)
         self._attention_blocks = tuple(g.effective_block_size for g in layout.groups if g.group.kind is not GroupKind.MAMBA)
