@@ -386,7 +386,7 @@ class BlockPool:
             len(blocks) > 1 and len(set(blocks)) != len(blocks)
         ):
             self._validate_free(blocks)
-        key, nxt, prv, tail = self._key, self._next, self._prev, self._tail
+        key, nxt, prv, tail, compute = self._key, self._next, self._prev, self._tail, self._compute
         uncached = []
         freed = 0
         for i, b in enumerate(blocks):
@@ -399,7 +399,7 @@ class BlockPool:
                 if key[b] is None:
                     uncached.append(b)
                     self._occupied[self._group[b]] -= 1
-                elif self._compute:  # cached: into the eviction heap, by priority
+                elif compute:  # cached: into the eviction heap, by priority
                     self._push_evictable(b, values[i] if values is not None else 0.0)
                 else:  # cached: append at the tail (evicted last)
                     last = prv[tail]
