@@ -324,12 +324,16 @@ def main() -> None:
     timed = interleaved_best(r, {
         "base": lambda: pool_workload(VllmShapedPool(args.blocks), plan, keys, args.ops),
         "ours": lambda: pool_workload(BlockPool(args.blocks), plan, keys, args.ops),
+        "compute": lambda: pool_workload(BlockPool(args.blocks, policy="compute"), plan, keys, args.ops),
     })
     (base_pool, (base_ops, base_hits)), (ours_pool, (ops, hits)) = timed["base"], timed["ours"]
+    compute_pool, (compute_ops, _) = timed["compute"]
     assert (ops, hits) == (base_ops, base_hits), "the two pools disagree on the workload"
     rows += [
         ("pool", f"vLLM-shaped pool (baseline), {args.blocks} blocks", base_ops / base_pool, "ops/s", 1.0),
         ("pool", f"kvproof BlockPool (cheap tier on), {args.blocks} blocks", ops / ours_pool, "ops/s", base_pool / ours_pool),
+        ("pool", f"kvproof BlockPool, compute eviction, {args.blocks} blocks", compute_ops / compute_pool, "ops/s",
+         base_pool / compute_pool),
     ]
     plain_ns, checked_ns = icontract_overhead_ns()
 

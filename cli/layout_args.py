@@ -8,6 +8,7 @@ import dataclasses
 
 from kvproof.cli.presets import DEFAULT_PRESET, PRESETS
 from kvproof.cli.values import TOKEN_LIMIT, any_decimal, check_at_most, parse_decimal, speculative_count, token_count
+from kvproof.spec.eviction import LRU, POLICIES
 from kvproof.spec.groups import KIND_NAMES, MAMBA_MODE_NAMES, CacheGroup, GroupKind, parse_kind, parse_mamba_mode
 from kvproof.spec.layout import LayoutConfig
 
@@ -75,6 +76,9 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> list[argparse.Actio
         help="which Mamba states stay cached: 'none' every chunk end; 0 (default, as in vLLM) replay "
         "boundaries and shared-prefix junctions only; K also one per K-token segment",
     )
+    add("--eviction", choices=POLICIES, default=LRU,
+        help="which evictable cached block the pool reuses first: 'lru' (default, vLLM's) or 'compute' "
+        "(the least prefill compute lost per byte, aged by recency; docs/coordinator.md)")
     add(
         "--shared-prefix-checkpoint", action="store_true",
         help="end a prefill chunk exactly at a shared-prefix junction (default: at the Mamba block below it)",
@@ -133,4 +137,5 @@ def layout_config_from_args(args: argparse.Namespace, allow_partial_hash_hits: b
         allow_partial_hash_hits=allow_partial_hash_hits,
         retention_interval=parse_retention(args.retention_interval),
         shared_prefix_checkpoint=args.shared_prefix_checkpoint,
+        eviction=args.eviction,
     )

@@ -11,6 +11,7 @@ import sys
 from kvproof.cli.errors import EXIT_OK, EXIT_PROPERTY_FAILED, fail_bad_input
 from kvproof.cli.layout_args import add_layout_arguments, layout_config_from_args
 from kvproof.cli.presets import PRESETS
+from kvproof.spec.eviction import LRU, POLICIES
 
 HELP = "plan hit rate, memory and block tables per DCP size on a workload (default: real Kimi chat traffic)"
 PROG = "kvproof plan"
@@ -41,6 +42,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_layout_arguments(p)
     p.add_argument("--dcp", default=",".join(map(str, DEFAULT_DCPS)), metavar="N[,N...]",
                    help="DCP sizes to compare (default 1,2,4,8)")
+    p.add_argument("--eviction", default=LRU, metavar="POLICY[,POLICY...]",
+                   help="eviction policies to compare side by side: lru (default, vLLM's), compute "
+                   "(the least prefill compute lost per byte, aged by recency)")
     m = p.add_argument_group("memory (default: 40 GiB per GPU, bytes from the preset)")
     m.add_argument("--kv-memory-gib", type=float, metavar="GIB", help=f"KV memory per GPU (default {DEFAULT_KV_MEMORY_GIB:g})")
     m.add_argument("--num-blocks", type=int, help="the pool in blocks (null block included) instead of KV memory")
@@ -75,6 +79,16 @@ def _int_list(text: str, what: str, low: int, high: int, unique: bool = True) ->
             raise ValueError(f"{what} {part!r} in {text!r} must be an integer in [{low}, {high}]")
         out.append(int(part))
     return tuple(dict.fromkeys(out)) if unique else tuple(out)
+
+
+def _policy_list(text: str) -> tuple[str, ...]:
+    """``lru,compute`` -> ('lru', 'compute'); ValueError naming a value that is no policy."""
+    out = []
+    for part in text.split(","):
+        if part.strip() not in POLICIES:
+            raise ValueError(f"eviction policy {part.strip()!r} in --eviction {text!r} must be one of {', '.join(POLICIES)}")
+        out.append(part.strip())
+    return tuple(dict.fromkeys(out))
 
 
 def _range(text: str, what: str) -> tuple[int, int]:
@@ -156,7 +170,8 @@ def build_request(args: argparse.Namespace):
     if args.preset is None and not args.group:
         args.preset = DEFAULT_PRESET
     dcps = _int_list(args.dcp, "DCP size", 1, 1024)
-    layout_args = argparse.Namespace(**{**vars(args), "dcp": dcps[0]})
+    policies = _policy_list(args.eviction)
+    layout_args = argparse.Namespace(**{**vars(args), "dcp": dcps[0], "eviction": policies[0]})
     base = layout_config_from_args(layout_args, allow_partial_hash_hits=not args.no_partial_hash_hits)
     resolve_layout(base)
     for name in ("max_num_batched_tokens", "max_num_seqs"):
@@ -196,7 +211,7 @@ def build_request(args: argparse.Namespace):
     options = RunOptions(args.max_num_batched_tokens, args.max_num_seqs, args.eagle, args.oracle)
     return PlanRequest(
         workload, dataclasses.replace(base, dcp=1), dcps, memory, kv_bytes, args.num_blocks, sweep, options,
-        args.jobs or default_jobs(), engines=engines,
+        args.jobs or default_jobs(), engines=engines, policies=policies,
     )
 
 

@@ -31,12 +31,15 @@ Nothing here depends on ``__debug__``: ``python -O`` keeps every check.
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import Counter
 from typing import Hashable, Iterable, Optional, Sequence
 
 import icontract
 
 from kvproof.spec.contracts import InvariantViolation, check, slow_tier
+from kvproof.spec.eviction import COMPUTE, LRU, parse_policy
 
 NULL_BLOCK = 0
 
@@ -59,15 +62,18 @@ class BlockPool:
 
     __slots__ = (
         "_num_blocks", "_ref", "_key", "_ntok", "_prefixes", "_holders", "_next", "_prev", "_head", "_tail", "_num_free",
-        "num_evictions", "_group", "_occupied",
+        "num_evictions", "_group", "_occupied", "_compute", "_heap", "_hseq", "_prio", "_seq",
+        "_num_cached_free",
     )
 
     @slow_tier
     @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: a new pool is well formed", enabled=True)
-    def __init__(self, num_blocks: int) -> None:
-        """A pool whose blocks 1..num_blocks-1 start free, in id order (allocated in that order)."""
+    def __init__(self, num_blocks: int, policy: str = LRU) -> None:
+        """A pool whose blocks 1..num_blocks-1 start free, in id order (allocated in that order),
+        evicting by ``policy`` (``spec.eviction``: ``lru``, vLLM's, or ``compute``)."""
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks {num_blocks!r} must be an int >= 1 (block 0 is the null block)")
+        parse_policy(policy)
         self._num_blocks = num_blocks
         self._ref = [0] * num_blocks
         self._key: list[Optional[Key]] = [None] * num_blocks
@@ -92,9 +98,33 @@ class BlockPool:
         # held (ref > 0) or cached (keyed, evictable). Memory accounting only.
         self._group = [0] * num_blocks
         self._occupied: list[int] = []
+        # The compute policy (spec.eviction): the linked queue holds only free uncached blocks;
+        # evictable cached ones live in a min-heap of (priority, release seq, block) with lazy
+        # deletion (an entry is live iff _hseq[block] is its seq, the block's release number).
+        self._compute = policy == COMPUTE
+        self._heap: list[tuple[float, int, int]] = []
+        self._hseq = [-1] * num_blocks
+        self._prio = [0.0] * num_blocks
+        self._seq = 0
+        self._num_cached_free = 0
 
     def __repr__(self) -> str:
-        return f"BlockPool(num_blocks={self._num_blocks}, free={self._num_free}, keys={len(self._holders)})"
+        return f"BlockPool(num_blocks={self._num_blocks}, free={self._num_free}, keys={len(self._holders)}, policy={self.policy})"
+
+    @property
+    def policy(self) -> str:
+        """The eviction policy: ``lru`` or ``compute``."""
+        return COMPUTE if self._compute else LRU
+
+    @property
+    def released(self) -> int:
+        """The compute policy's clock: cached blocks released (freed or requeued) so far."""
+        return self._seq
+
+    def priority(self, block: int) -> Optional[float]:
+        """The compute policy's eviction priority of an evictable cached block (None otherwise)."""
+        self._require_in_range(block, "priority")
+        return self._prio[block] if self._hseq[block] >= 0 else None
 
     # --- queries (no state change) -------------------------------------------------------------
 
@@ -151,11 +181,15 @@ class BlockPool:
         return tuple(self._holders.get(key, ()))
 
     def free_order(self) -> tuple[int, ...]:
-        """The free queue, head (next to allocate) first. O(num_free); for tests and debugging."""
+        """The free blocks in the order ``allocate`` takes them, head first: the free queue
+        (``lru``), or the uncached queue then the cached blocks by (priority, release)
+        (``compute``). O(num_free log num_free); for tests and debugging."""
         out, nxt, b = [], self._next, self._next[self._head]
         while b != self._tail and len(out) < self._num_blocks:  # the bound stops a corrupted cycle
             out.append(b)
             b = nxt[b]
+        if self._compute:
+            out += [b for _, _, b in sorted(e for e in self._heap if self._hseq[e[2]] == e[1])]
         return tuple(out)
 
     def occupancy(self) -> tuple[int, ...]:
@@ -186,6 +220,12 @@ class BlockPool:
         "INV-POOL-ALLOC-FRESH: allocate returns n distinct real blocks with ref 1 and no key",
         enabled=True,
     )
+    @icontract.ensure(
+        lambda OLD, self, n, result: result is None or tuple(result) == OLD.free_order[:n],
+        "INV-EVICT-MIN: allocate takes the first n blocks of the free order (lru: the queue head; compute: "
+        "uncached first, then the lowest priorities)",
+        enabled=True,
+    )
     @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after allocate", enabled=True)
     def allocate(self, n: int, group: int = 0) -> Optional[list[int]]:
         """Mutates. Take ``n`` blocks from the head of the free queue, each with ref 1 and no key,
@@ -201,6 +241,8 @@ class BlockPool:
             raise ValueError(f"allocate: group {group!r} must be an int in [0, 65536)")
         if n > self._num_free:
             return None
+        if self._compute:
+            return self._allocate_compute(n, group)
         ref, key, nxt, prv = self._ref, self._key, self._next, self._prev
         occupied, owner = self._occupied, self._group
         while len(occupied) <= group:
@@ -222,6 +264,48 @@ class BlockPool:
             nxt[b] = prv[b] = -1
             b = following
         nxt[self._head], prv[b] = b, self._head  # splice the popped run out in one step
+        self._num_free -= n
+        return out
+
+    def _allocate_compute(self, n: int, group: int) -> list[int]:
+        """Mutates. ``allocate`` under the compute policy (n <= num_free checked): free uncached
+        blocks first, from the queue's head (INV-EVICT-UNCACHED-FIRST), then the cached blocks of
+        lowest priority, ties to the earliest released (INV-EVICT-MIN)."""
+        ref, key, nxt, prv = self._ref, self._key, self._next, self._prev
+        occupied, owner = self._occupied, self._group
+        while len(occupied) <= group:
+            occupied.append(0)
+        out: list[int] = []
+        b = nxt[self._head]
+        while len(out) < n and b != self._tail:
+            if ref[b] or key[b] is not None:
+                raise InvariantViolation("INV-EVICT-UNCACHED-FIRST", f"block {b} in the uncached queue has ref {ref[b]}, key {key[b]!r}")
+            owner[b] = group
+            occupied[group] += 1
+            ref[b] = 1
+            out.append(b)
+            following = nxt[b]
+            nxt[b] = prv[b] = -1
+            b = following
+        nxt[self._head], prv[b] = b, self._head
+        heap, hseq = self._heap, self._hseq
+        while len(out) < n:
+            prio, seq, b = heapq.heappop(heap)
+            if hseq[b] != seq:
+                continue  # stale: touched, evicted or reset since it was pushed
+            if ref[b] or key[b] is None:
+                raise InvariantViolation("INV-POOL-FREE-IFF-UNREF", f"evictable block {b} has ref {ref[b]}, key {key[b]!r}")
+            if prio < seq:
+                raise InvariantViolation("INV-EVICT-CLOCK", f"block {b}'s priority {prio} is below its release number {seq}")
+            hseq[b] = -1
+            self._num_cached_free -= 1
+            self._drop_key(b)
+            self.num_evictions += 1
+            occupied[owner[b]] -= 1
+            owner[b] = group
+            occupied[group] += 1
+            ref[b] = 1
+            out.append(b)
         self._num_free -= n
         return out
 
@@ -254,13 +338,18 @@ class BlockPool:
                 if ref[b] == 0 and key[b] is None:
                     raise ValueError(f"INV-POOL-FREE-IFF-UNREF: touch of block {b}: it is free (ref count 0) and has no key, so it is not a cache hit")
         nxt, prv = self._next, self._prev
+        compute = self._compute
         for b in blocks:
             if b == NULL_BLOCK:
                 continue
-            if ref[b] == 0:  # an evictable cached block: unlink it from the free queue
-                before, after = prv[b], nxt[b]
-                nxt[before], prv[after] = after, before
-                nxt[b] = prv[b] = -1
+            if ref[b] == 0:  # an evictable cached block: take it out of the free queue
+                if compute:  # its heap entry goes stale
+                    self._hseq[b] = -1
+                    self._num_cached_free -= 1
+                else:
+                    before, after = prv[b], nxt[b]
+                    nxt[before], prv[after] = after, before
+                    nxt[b] = prv[b] = -1
                 self._num_free -= 1
             ref[b] += 1
 
@@ -272,7 +361,7 @@ class BlockPool:
         enabled=True,
     )
     @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after free", enabled=True)
-    def free(self, blocks: Sequence[int]) -> None:
+    def free(self, blocks: Sequence[int], values: Optional[Sequence[float]] = None) -> None:
         """Mutates. Drop one reference per listed block (the null block is skipped).
 
         Blocks reaching ref 0 join the free queue: uncached ones at the head, as one batch in the
@@ -280,9 +369,16 @@ class BlockPool:
         Callers pass a request's blocks tail first so its tail is evicted first. Freeing a block
         more times than it is referenced, or an id out of range, raises ValueError naming the
         block and its ref count, and changes nothing.
+
+        Under the compute policy a cached block reaching ref 0 gets priority ``released +
+        values[i]`` (its release number plus its value, INV-EVICT-CLOCK) (``values``: one finite number >= 0 per listed block, the FLOPs per byte its
+        loss would cost, ``spec.eviction``; 0 when None) and waits in the eviction heap instead.
+        ``lru`` ignores ``values``.
         """
         if not blocks:
             return
+        if values is not None and (len(values) != len(blocks) or not all(0.0 <= v < math.inf for v in values)):
+            raise ValueError(f"INV-EVICT-VALUE: free: values {list(values)!r} must be one finite number >= 0 per block of {list(blocks)!r}")
         ref, nb = self._ref, self._num_blocks
         # Validate everything first (a failed call changes nothing), with C-level loops on the
         # common path: ids in range, every ref > 0, no id listed twice.
@@ -290,10 +386,10 @@ class BlockPool:
             len(blocks) > 1 and len(set(blocks)) != len(blocks)
         ):
             self._validate_free(blocks)
-        key, nxt, prv, tail = self._key, self._next, self._prev, self._tail
+        key, nxt, prv, tail, compute = self._key, self._next, self._prev, self._tail, self._compute
         uncached = []
         freed = 0
-        for b in blocks:
+        for i, b in enumerate(blocks):
             if b == NULL_BLOCK:
                 continue
             r = ref[b] - 1
@@ -303,6 +399,8 @@ class BlockPool:
                 if key[b] is None:
                     uncached.append(b)
                     self._occupied[self._group[b]] -= 1
+                elif compute:  # cached: into the eviction heap, by priority
+                    self._push_evictable(b, values[i] if values is not None else 0.0)
                 else:  # cached: append at the tail (evicted last)
                     last = prv[tail]
                     nxt[last], prv[b], nxt[b], prv[tail] = b, last, tail, b
@@ -329,6 +427,38 @@ class BlockPool:
         for b, times in Counter(blocks).items():
             if b != NULL_BLOCK and times > ref[b]:
                 raise ValueError(f"INV-POOL-REF-NONNEG: block {b} listed {times} times in one free but its ref count is {ref[b]}")
+
+    @slow_tier
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after requeue", enabled=True)
+    def requeue(self, blocks: Sequence[int], values: Optional[Sequence[float]] = None) -> int:
+        """Mutates. Count each listed evictable cached block (ref 0, keyed) as released again now,
+        in the given order: ``lru`` moves it to the queue's tail, ``compute`` gives it priority
+        ``released + values[i]`` (as :meth:`free` would). Other blocks are skipped: a Mamba
+        state released while its request ran is requeued when the request ends, so it is not
+        evicted before the chain it completes. Returns how many were requeued. Bad ids or
+        values raise ValueError and change nothing."""
+        nb = self._num_blocks
+        for b in blocks:
+            if isinstance(b, bool) or not isinstance(b, int) or not 0 < b < nb:
+                raise ValueError(f"requeue: block id {b!r} out of range [1, {nb})")
+        if values is not None and (len(values) != len(blocks) or not all(0.0 <= v < math.inf for v in values)):
+            raise ValueError(f"INV-EVICT-VALUE: requeue: values {list(values)!r} must be one finite number >= 0 per block of {list(blocks)!r}")
+        ref, key, nxt, prv = self._ref, self._key, self._next, self._prev
+        done = 0
+        seen: set[int] = set()
+        for i, b in enumerate(blocks):
+            if ref[b] or key[b] is None or b in seen:
+                continue
+            seen.add(b)
+            if self._compute:
+                self._num_cached_free -= 1  # the old entry goes stale
+                self._push_evictable(b, values[i] if values is not None else 0.0)
+            else:
+                before, after = prv[b], nxt[b]
+                nxt[before], prv[after] = after, before
+                self._link_last(b)
+            done += 1
+        return done
 
     @slow_tier
     @icontract.snapshot(lambda self, block: self.keys_of(block) if isinstance(block, int) and 0 <= block < self._num_blocks else None, name="keys", enabled=True)
@@ -437,6 +567,10 @@ class BlockPool:
                 dropped += 1
                 if self._ref[b] == 0:  # a free block that no longer caches anything
                     self._occupied[self._group[b]] -= 1
+                    if self._compute:  # leaves the heap, ends the uncached queue
+                        self._hseq[b] = -1
+                        self._num_cached_free -= 1
+                        self._link_last(b)
         return dropped
 
     @icontract.ensure(
@@ -457,6 +591,12 @@ class BlockPool:
         kept."""
         if self._num_free != self._num_blocks - 1:
             return False
+        if self._compute:  # every cached block becomes uncached: onto the queue, in release order
+            for _, b in sorted((self._hseq[b], b) for b in range(1, self._num_blocks) if self._hseq[b] >= 0):
+                self._hseq[b] = -1
+                self._link_last(b)
+            self._heap.clear()
+            self._num_cached_free = 0
         for b in range(1, self._num_blocks):
             self._key[b] = None
             self._ntok[b] = 0
@@ -524,6 +664,28 @@ class BlockPool:
         if self._key[holder] == key:
             return self._ntok[holder]
         return next(n for k, n in self._prefixes[holder] if k == key)
+
+    def _push_evictable(self, block: int, value: float) -> None:
+        """Compute policy: ``block`` (ref 0, cached) waits in the heap with priority its release
+        number plus ``value``; stale entries are dropped once they outnumber the live ones."""
+        seq = self._seq
+        self._seq = seq + 1
+        priority = seq + value
+        self._hseq[block] = seq
+        self._prio[block] = priority
+        self._num_cached_free += 1
+        heap = self._heap
+        heapq.heappush(heap, (priority, seq, block))
+        if len(heap) > 2 * self._num_cached_free + 64:
+            hseq = self._hseq
+            self._heap = [e for e in heap if hseq[e[2]] == e[1]]
+            heapq.heapify(self._heap)
+
+    def _link_last(self, block: int) -> None:
+        """Link ``block`` at the tail of the (uncached) free queue."""
+        nxt, prv, tail = self._next, self._prev, self._tail
+        last = prv[tail]
+        nxt[last], prv[block], nxt[block], prv[tail] = block, last, tail, block
 
     def _demote(self, block: int) -> None:
         """Make the block's primary key one of its prefix keys (it stays in the key map)."""
@@ -614,10 +776,24 @@ class BlockPool:
                   f"free queue link broken at block {b}: prev is {prv[b]}")
             members.append(b)
             b = nxt[b]
+        linked = set(members)
+        if self._compute:
+            for b in members:
+                check(self._key[b] is None, "INV-EVICT-UNCACHED-FIRST", f"cached block {b} is in the uncached queue")
+            live = {e[2]: e for e in self._heap if self._hseq[e[2]] == e[1]}
+            marked = {b for b in range(nb) if self._hseq[b] >= 0}
+            check(set(live) == marked and len(live) == self._num_cached_free and not marked & linked, "INV-POOL-CONSERVE",
+                  f"{len(live)} live heap entries, {len(marked)} blocks marked, counter {self._num_cached_free}")
+            for b, (prio, _, _) in live.items():
+                check(self._key[b] is not None and self._ref[b] == 0, "INV-POOL-FREE-IFF-UNREF",
+                      f"evictable block {b} has ref {self._ref[b]}, key {self._key[b]!r}")
+                check(prio == self._prio[b] and prio >= self._hseq[b], "INV-EVICT-CLOCK",
+                      f"block {b}'s priority {prio} is below its release number {self._hseq[b]}")
+            members += list(live)
         check(len(members) == self._num_free, "INV-POOL-CONSERVE",
               f"free counter says {self._num_free} blocks but the queue holds {len(members)}")
         queued = set(members)
         for b in range(nb):
-            if b not in queued:
+            if b not in linked:
                 check(nxt[b] == prv[b] == -1, "INV-POOL-FREE-IFF-UNREF", f"block {b} is not queued but has links {prv[b]}, {nxt[b]}")
         return queued

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 
 from kvproof.impl.block_pool import BlockPool
+from kvproof.impl.eviction import EvictionValuer
 from kvproof.impl.managers import MANAGER_FOR_KIND, SingleTypeManager, StepLedger
 from kvproof.impl.request import Request
 from kvproof.spec.contracts import InvariantViolation
@@ -39,9 +40,10 @@ class HybridCoordinator:
     once, as a warning naming the groups that force it.
     """
 
-    def __init__(self, layout: Layout, pool: BlockPool, use_eagle: bool = False) -> None:
+    def __init__(self, layout: Layout, pool: BlockPool, use_eagle: bool = False, valuer: EvictionValuer | None = None) -> None:
         self.layout = layout
         self.pool = pool
+        self.valuer = valuer
         self.ledger = StepLedger()
         self.hash_block_size = layout.hash_block_size
         self.alignment = layout.cache_hit_alignment
@@ -60,6 +62,8 @@ class HybridCoordinator:
             )
             for g in layout.groups
         )
+        for m in self.managers:
+            m.valuer = valuer
         # Attention first: its hits are downward closed, so the fixpoint takes two passes
         # (attention narrows, Mamba lowers to a stored state, attention accepts it). A layout
         # with a group that keeps no reusable state (Mamba in mode 'none') never hits.
@@ -138,6 +142,8 @@ class HybridCoordinator:
         # fresh allocation could evict (and reuse) an evictable block another group just hit.
         self.pool.touch([b for bl in hit.blocks for b in bl])
         n = hit.num_tokens
+        if self.valuer is not None:
+            self.valuer.note_resume(request.request_id, n)
         return tuple([m.allocate(request, total_tokens, n, bl) for m, bl in zip(managers, hit.blocks)])
 
 

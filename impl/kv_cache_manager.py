@@ -21,17 +21,21 @@ from typing import Iterator, Optional
 
 from kvproof.impl.block_pool import BlockPool
 from kvproof.impl.coordinator import Hit, HybridCoordinator
+from kvproof.impl.eviction import EvictionValuer
 from kvproof.impl.managers import MambaManager
 from kvproof.impl.request import Request
 from kvproof.spec.contracts import InvariantViolation
+from kvproof.spec.eviction import COMPUTE
 from kvproof.spec.layout import Layout
 
 
 class KVCacheManager:
     def __init__(self, layout: Layout, num_blocks: int, use_eagle: bool = False) -> None:
         self.layout = layout
-        self.pool = BlockPool(num_blocks)
-        self.coordinator = HybridCoordinator(layout, self.pool, use_eagle=use_eagle)
+        self.pool = BlockPool(num_blocks, policy=layout.config.eviction)
+        #: The compute policy's valuer (None under lru: releases carry no values).
+        self.valuer = EvictionValuer(layout, num_blocks) if layout.config.eviction == COMPUTE else None
+        self.coordinator = HybridCoordinator(layout, self.pool, use_eagle=use_eagle, valuer=self.valuer)
         self.managers = self.coordinator.managers
         self._mamba_managers = [m for m in self.managers if isinstance(m, MambaManager)]
         self._step = 0
@@ -103,7 +107,8 @@ class KVCacheManager:
         if ledger.copies:
             raise InvariantViolation("INV-STEP-PROTOCOL", f"{len(ledger.copies)} block copies were never taken")
         if ledger.retained:
-            self.pool.free(ledger.retained)
+            retained = ledger.retained
+            self.pool.free(retained, None if self.valuer is None else self.valuer.by_length(self.pool, retained))
         ledger.reset()
         self._step += 1
 
@@ -170,6 +175,8 @@ class KVCacheManager:
             )
         for m in self.managers:
             m.free(request)
+        if self.valuer is not None:
+            self.valuer.forget(request.request_id)
 
     # --- checks ---------------------------------------------------------------------------------
 

@@ -144,11 +144,8 @@ class Scheduler:
             while blocks is None:
                 victim = next((r for r in reversed(queue) if r.request_id not in scheduled), None)
                 if victim is None or victim is req and len(scheduled) == 0 and len(queue) == 1:
-                    raise CapacityError(
-                        req.request_id,
-                        f"request {req.request_id!r} cannot get blocks for {end} tokens even with the pool to itself "
-                        f"({self.kv.pool.num_blocks - 1} blocks); raise --num-blocks",
-                    )
+                    end, blocks = self._shorter_chunk(req, start, end)
+                    break
                 self._preempt(victim, preempted)
                 queue.remove(victim)
                 if victim is req:
@@ -203,6 +200,24 @@ class Scheduler:
                         f"({self.kv.pool.num_blocks - 1} blocks, {self.kv.pool.num_free} free); raise --num-blocks",
                     )
                 return None
+
+    def _shorter_chunk(self, req: Request, start: int, end: int) -> tuple[int, tuple[list[int], ...]]:
+        """Mutates (allocates). ``req`` has the pool to itself and cannot get blocks up to
+        ``end``: the longest shorter chunk that fits. A shorter step can need fewer blocks at
+        once (a sliding window's block that leaves the window, the Mamba state read and the one
+        written), so a request that fits the pool alone keeps progressing whatever chunk
+        boundaries its hit left it. Raises CapacityError when not even one token fits."""
+        for n in range(end - start - 1, 0, -1):
+            shorter = self._chunk_end(req, start, n)
+            if start < shorter < end:
+                blocks = self.kv.allocate_slots(req, shorter - start)
+                if blocks is not None:
+                    return shorter, blocks
+        raise CapacityError(
+            req.request_id,
+            f"request {req.request_id!r} cannot get blocks for {end} tokens even with the pool to itself "
+            f"({self.kv.pool.num_blocks - 1} blocks); raise --num-blocks",
+        )
 
     def _note_chunk(self, req: Request, start: int, end: int) -> None:
         """Record that ``req`` computes ``[start, end)`` in this step, if it reaches a new length

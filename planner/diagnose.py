@@ -41,6 +41,11 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
+def _policy(r: ConfigReport, several: bool) -> str:
+    """' (eviction P)' when a plan compares policies, else nothing."""
+    return f" (eviction {r.eviction})" if several else ""
+
+
 def recommend(reports: list[ConfigReport], sweep: list[ConfigReport]) -> dict:
     """The configuration with the best hit rate, the one with the most cached tokens per GiB of
     KV memory across its DCP group, and (with a sweep) the smallest memory per GPU that comes
@@ -49,10 +54,13 @@ def recommend(reports: list[ConfigReport], sweep: list[ConfigReport]) -> dict:
     if not clean:
         return {"text": "no configuration ran cleanly; see the violations"}
     best = max(clean, key=lambda r: (r.hit_rate, -r.dcp))
+    several = len({r.eviction for r in reports + sweep}) > 1
     out = {
         "best_hit_rate": {"dcp": best.dcp, "hit_rate": round(best.hit_rate, 6)},
     }
-    text = [f"best hit rate: DCP {best.dcp} ({_pct(best.hit_rate)})"]
+    if several:
+        out["best_hit_rate"]["eviction"] = best.eviction
+    text = [f"best hit rate: DCP {best.dcp}{_policy(best, several)} ({_pct(best.hit_rate)})"]
     sized = [r for r in clean if r.num_blocks and r.block_bytes]
     if sized:
         def per_gib(r: ConfigReport) -> float:
@@ -66,15 +74,18 @@ def recommend(reports: list[ConfigReport], sweep: list[ConfigReport]) -> dict:
         )
     if sweep:
         knees = []
-        for dcp in sorted({r.dcp for r in sweep}):
-            points = sorted((r for r in sweep if r.dcp == dcp and not r.violations), key=lambda r: r.kv_memory_bytes or 0)
+        for dcp, policy in sorted({(r.dcp, r.eviction) for r in sweep}, key=lambda k: (k[0], k[1] != "lru")):
+            points = sorted((r for r in sweep if (r.dcp, r.eviction) == (dcp, policy) and not r.violations),
+                            key=lambda r: r.kv_memory_bytes or 0)
             if not points:
                 continue
             top = max(p.hit_rate for p in points)
             knee = next(p for p in points if p.hit_rate >= top - KNEE_POINTS)
             knees.append({"dcp": dcp, "kv_memory_gib": round(gib(knee.kv_memory_bytes or 0), 3), "hit_rate": round(knee.hit_rate, 6)})
+            if several:
+                knees[-1]["eviction"] = policy
             text.append(
-                f"DCP {dcp}: {gib(knee.kv_memory_bytes or 0):.4g} GiB per GPU reaches {_pct(knee.hit_rate)}, within "
+                f"DCP {dcp}{_policy(knee, several)}: {gib(knee.kv_memory_bytes or 0):.4g} GiB per GPU reaches {_pct(knee.hit_rate)}, within "
                 f"{100 * KNEE_POINTS:g} point of its best in the sweep"
             )
         out["memory_knee"] = knees

@@ -37,6 +37,8 @@ class PlanRequest:
     reuse_probe: bool = True
     #: Engines per DCP size: kvproof always; "vllm" adds vLLM 0.33.0's own scheduler.
     engines: tuple[str, ...] = ("kvproof",)
+    #: kvproof's eviction policies, each planned at every DCP size and memory size.
+    policies: tuple[str, ...] = ("lru",)
 
 
 @dataclasses.dataclass
@@ -46,13 +48,15 @@ class Task:
     pool: PoolPlan
     sweep: bool
     engine: str = "kvproof"
+    eviction: str = "lru"
 
     def run(self, req: "PlanRequest", tick: Callable[[], None]) -> ConfigReport:
         if self.engine == "vllm":
             from kvproof.planner.vllm_engine import run_config_vllm
 
             return run_config_vllm(req.workload, req.base, self.dcp, self.pool, self.kv_memory_bytes, req.options, tick)
-        return run_config(req.workload, req.base, self.dcp, self.pool, self.kv_memory_bytes, req.options, tick)
+        base = dataclasses.replace(req.base, eviction=self.eviction)
+        return run_config(req.workload, base, self.dcp, self.pool, self.kv_memory_bytes, req.options, tick)
 
 
 @dataclasses.dataclass
@@ -91,14 +95,14 @@ def prepare(req: PlanRequest) -> tuple[dict[int, Layout], list[Task]]:
         pool = _pool_for(req, layouts[d], req.kv_memory_bytes)
         _check_pool(pool, d, req.kv_memory_bytes)
         config_layout(req.base, d, pool)  # the expanded geometry must resolve too
-        tasks.append(Task(d, req.kv_memory_bytes, pool, False))
+        tasks += [Task(d, req.kv_memory_bytes, pool, False, eviction=e) for e in req.policies]
         if "vllm" in req.engines:
             tasks.append(Task(d, req.kv_memory_bytes, pool, False, "vllm"))
     for kv in req.sweep_bytes:
         for d in req.dcps:
             pool = _pool_for(req, layouts[d], kv)
             _check_pool(pool, d, kv)
-            tasks.append(Task(d, kv, pool, True))
+            tasks += [Task(d, kv, pool, True, eviction=e) for e in req.policies]
     return layouts, tasks
 
 
@@ -157,7 +161,8 @@ def run_plan(req: PlanRequest, progress: Optional[Callable[[int, int], None]] = 
     vllm_reports = [r for r, t in zip(results, tasks) if t.engine == "vllm"]
     sweep = [r for r, t in zip(results, tasks) if t.sweep]
     if sweep:  # the main runs are sweep points too
-        sweep = sorted(sweep + [r for r in reports if r.kv_memory_bytes is not None], key=lambda r: (r.dcp, r.kv_memory_bytes or 0))
+        sweep = sorted(sweep + [r for r in reports if r.kv_memory_bytes is not None],
+                       key=lambda r: (r.dcp, r.kv_memory_bytes or 0, req.policies.index(r.eviction)))
     reuse = {}
     if req.reuse_probe:
         units = sorted({layouts[d].cache_hit_alignment for d in req.dcps} | {_fine_unit(layouts)})

@@ -35,7 +35,8 @@ def check_destination(path: str) -> None:
 
 def build_figure(reports: list[ConfigReport], sweep: list[ConfigReport], title: str, vllm_reports: list[ConfigReport] = ()):
     """The figure (not saved): axes 'hit rate vs DCP', 'memory vs DCP' and, with a sweep,
-    'hit rate vs KV memory'. No state change outside matplotlib."""
+    'hit rate vs KV memory' (one line per DCP size and eviction policy). No state change
+    outside matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -44,11 +45,16 @@ def build_figure(reports: list[ConfigReport], sweep: list[ConfigReport], title: 
     panels = 3 if sweep else 2
     fig = Figure(figsize=(5.2 * panels, 4.2), layout="constrained")
     axes = fig.subplots(1, panels)
-    runs = sorted(reports, key=lambda r: r.dcp)
+    policies = list(dict.fromkeys(r.eviction for r in reports))
+    several = len(policies) > 1
+    runs = sorted((r for r in reports if r.eviction == policies[0]), key=lambda r: r.dcp)
     dcps = [r.dcp for r in runs]
 
     ax = axes[0]
-    ax.plot(dcps, [100 * r.hit_rate for r in runs], "o-", label="hit rate")
+    for policy in policies:
+        mine = sorted((r for r in reports if r.eviction == policy), key=lambda r: r.dcp)
+        suffix = f" ({policy} eviction)" if several else ""
+        ax.plot([r.dcp for r in mine], [100 * r.hit_rate for r in mine], "o-" if policy == policies[0] else "o:", label="hit rate" + suffix)
     ax.plot(dcps, [100 * (r.attention_hit_rate or 0.0) for r in runs], "s--", label="attention groups alone")
     if vllm_reports:
         theirs = sorted(vllm_reports, key=lambda r: r.dcp)
@@ -76,9 +82,12 @@ def build_figure(reports: list[ConfigReport], sweep: list[ConfigReport], title: 
 
     if sweep:
         ax = axes[2]
-        for dcp in sorted({r.dcp for r in sweep}):
-            points = sorted((r for r in sweep if r.dcp == dcp), key=lambda r: r.kv_memory_bytes or 0)
-            ax.plot([gib(r.kv_memory_bytes or 0) for r in points], [100 * r.hit_rate for r in points], "o-", label=f"DCP {dcp}")
+        styles = ("o-", "s--", "^:", "d-.")
+        for i, dcp in enumerate(sorted({r.dcp for r in sweep})):
+            for j, policy in enumerate(policies):
+                points = sorted((r for r in sweep if r.dcp == dcp and r.eviction == policy), key=lambda r: r.kv_memory_bytes or 0)
+                ax.plot([gib(r.kv_memory_bytes or 0) for r in points], [100 * r.hit_rate for r in points], styles[j % len(styles)],
+                        color=f"C{i}", label=f"DCP {dcp}" + (f", {policy}" if several else ""))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("KV memory per GPU (GiB)")
         ax.set_ylabel("prompt tokens from the prefix cache (%)")

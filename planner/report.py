@@ -32,6 +32,7 @@ def config_to_json(r: ConfigReport) -> dict:
         "violations": r.violations,
         "seconds": round(r.seconds, 3),
         "engine": r.engine,
+        "eviction": r.eviction,
     }
     if r.notes:
         out["notes"] = r.notes
@@ -56,6 +57,7 @@ def plan_to_json(result: PlanResult) -> dict:
             "max_num_batched_tokens": req.options.max_num_batched_tokens,
             "max_num_seqs": req.options.max_num_seqs,
             "vllm_groups_per_group": list(result.vllm_groups),
+            "eviction": list(req.policies),
         },
         "engine": "kvproof",
         "oracle": req.options.oracle,
@@ -93,16 +95,18 @@ def plan_to_text(result: PlanResult) -> str:
         r0 = result.reports[0]
         mem = f"{gib(r0.kv_memory_bytes):.4g} GiB per GPU -> " if r0.kv_memory_bytes is not None else ""
         lines.append(f"pool: {mem}{r0.num_blocks:,} blocks of {_mib(r0.block_bytes)} MiB (as vLLM's KV planner sizes it)")
-    header = ["engine", "DCP", "hit rate", "attn alone", "req w/ hit", "prefill tok", "CoW", "evictions", "preempt"]
+    several = len(req.policies) > 1
+    header = ["engine"] + (["eviction"] if several else []) + ["DCP", "hit rate", "attn alone", "req w/ hit", "prefill tok", "CoW", "evictions", "preempt"]
     has_peak = all(r.peak_blocks_per_group is not None for r in result.reports)
     if has_peak:
         header.append("peak blocks/group")
     header += ["tables MiB/group", "largest req", "violations"]
     rows = [header]
-    by_dcp = sorted(result.reports + result.vllm_reports, key=lambda r: (r.dcp, r.engine != "kvproof"))
+    by_dcp = sorted(result.reports + result.vllm_reports,
+                    key=lambda r: (r.dcp, r.engine != "kvproof", req.policies.index(r.eviction) if r.eviction in req.policies else 0))
     for r in by_dcp:
-        row = [
-            r.engine, str(r.dcp), f"{100 * r.hit_rate:.1f} %",
+        row = [r.engine] + ([r.eviction] if several else []) + [
+            str(r.dcp), f"{100 * r.hit_rate:.1f} %",
             "-" if r.attention_hit_rate is None else f"{100 * r.attention_hit_rate:.1f} %",
             f"{r.requests_with_hit:,}/{r.requests:,}", f"{r.prefill_tokens:,}", f"{r.cow_copies:,}",
             f"{r.evictions:,}", f"{r.preemptions:,}",
@@ -115,13 +119,18 @@ def plan_to_text(result: PlanResult) -> str:
     notes = sorted({f"vLLM at DCP {r.dcp}: {n}" for r in result.vllm_reports for n in r.notes})
     lines += [f"note: {n}" for n in notes]
     if result.sweep:
-        dcps = sorted({r.dcp for r in result.sweep})
+        columns = [(d, e) for d in sorted({r.dcp for r in result.sweep}) for e in req.policies]
         sizes = sorted({r.kv_memory_bytes or 0 for r in result.sweep})
-        grid = {(r.dcp, r.kv_memory_bytes or 0): r for r in result.sweep}
-        rows = [["GiB/GPU"] + [f"DCP {d}" for d in dcps]]
+        grid = {(r.dcp, r.eviction, r.kv_memory_bytes or 0): r for r in result.sweep}
+        rows = [["GiB/GPU"] + [f"DCP {d}" + (f" {e}" if several else "") for d, e in columns]]
         for s in sizes:
-            rows.append([f"{gib(s):.4g}"] + [f"{100 * grid[(d, s)].hit_rate:.1f} %" if (d, s) in grid else "-" for d in dcps])
+            rows.append([f"{gib(s):.4g}"] + [f"{100 * grid[(d, e, s)].hit_rate:.1f} %" if (d, e, s) in grid else "-" for d, e in columns])
         lines += ["", "hit rate by KV memory per GPU:", _table(rows)]
+        if several:
+            rows = [["GiB/GPU"] + [f"DCP {d} {e}" for d, e in columns]]
+            for s in sizes:
+                rows.append([f"{gib(s):.4g}"] + [f"{grid[(d, e, s)].prefill_tokens:,}" if (d, e, s) in grid else "-" for d, e in columns])
+            lines += ["", "prefill tokens computed by KV memory per GPU:", _table(rows)]
     if result.reuse:
         lines += ["", "reuse the traffic allows with an unbounded cache: " + ", ".join(
             f"{100 * f:.1f} % in {u:,}-token steps" for u, f in sorted(result.reuse.items()))]

@@ -53,6 +53,8 @@ class ConfigReport:
     engine: str = "kvproof"
     #: Engine remarks (vLLM: where its own geometry resolution differs from the layout's).
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: The pool's eviction policy (``spec.eviction``); vLLM's engine is always lru.
+    eviction: str = "lru"
 
     @property
     def hit_rate(self) -> float:
@@ -158,6 +160,7 @@ def run_config(
         largest_request=fits,
         violations=result.violations,
         seconds=seconds,
+        eviction=base.eviction,
     )
 
 

@@ -27,6 +27,8 @@ fixed, so the verdict is the same on every machine; pools are unbounded, so a cl
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 import traceback
 from collections import Counter
@@ -39,6 +41,7 @@ from kvproof.proofs.registry import CHECKED, ERROR, INCOMPLETE, REFUTED, Obligat
 from kvproof.spec import block_pool as pool
 from kvproof.spec.block_pool import PoolState
 from kvproof.spec.contracts import guard_like
+from kvproof.spec.eviction import COMPUTE, LRU
 
 #: (pool size, calls per sequence): block 0 is the null block, so two real blocks with sequences of
 #: up to six calls, then three real blocks with up to four (about 6 s and 2 s on 2 cores).
@@ -72,8 +75,12 @@ Ops = dict[str, Callable]
 
 SPEC_OPS: Ops = {
     name: getattr(pool, name)
-    for name in ("allocate", "touch", "free", "evict", "cache_full", "cache_partial", "reset", "move_key")
+    for name in ("allocate", "touch", "free", "evict", "cache_full", "cache_partial", "reset", "move_key", "requeue")
 }
+#: The compute eviction policy: two real blocks, sequences of up to five calls; releases carry
+#: values from this menu (equal ones tie, and the release order must break the tie).
+COMPUTE_SCOPES = ((3, 5),)
+VALUE_MENU = (0.0, 3.0)
 
 
 def moves(s: PoolState) -> Iterator[Call]:
@@ -86,6 +93,14 @@ def moves(s: PoolState) -> Iterator[Call]:
         yield Call("touch", (blocks,))
     for blocks in lists:
         yield Call("free", (blocks,))
+    if s.policy == COMPUTE:
+        for b in range(1, s.num_blocks):
+            for v in VALUE_MENU:
+                yield Call("free", ((b,), (v,)))
+                yield Call("requeue", ((b,), (v,)))
+        yield Call("free", ((1, 2), (VALUE_MENU[1], VALUE_MENU[0])))
+    for b in ids:
+        yield Call("requeue", ((b,),))
     for b in ids:
         yield Call("evict", ((b,),))
     for b in range(s.num_blocks):
@@ -112,7 +127,7 @@ def _refused_by_a_precondition(error: ValueError) -> bool:
 
 def _next_state(call: Call, result) -> Optional[PoolState]:
     """The state after an accepted call (None when allocate failed: nothing changed)."""
-    if call.op in ("touch", "free", "evict", "move_key"):
+    if call.op in ("touch", "free", "evict", "move_key", "requeue"):
         return result
     if call.op == "allocate":
         return None if result is None else result[0]
@@ -131,6 +146,8 @@ def transition_fact_broken(call: Call, s: PoolState, result, t: Optional[PoolSta
         if n > len(s.free):
             return None if result is None else f"{n} blocks allocated with {len(s.free)} free"
         taken = result[1]
+        if s.policy == COMPUTE:
+            return _compute_choice_broken(s, taken)
         if taken != s.free[:n]:
             return f"took {list(taken)}, not the head of the free queue {list(s.free[:n])}"
         return None
@@ -168,6 +185,22 @@ def transition_fact_broken(call: Call, s: PoolState, result, t: Optional[PoolSta
     return None
 
 
+def _compute_choice_broken(s: PoolState, taken: tuple[int, ...]) -> Optional[str]:
+    """The compute policy's rule, stated pairwise: no cached block is taken while an uncached
+    free block is left, and no cached block taken outranks one left (lower priority, or equal
+    and released earlier: earlier in the queue)."""
+    left = [b for b in s.free if b not in taken]
+    cached_taken = [b for b in taken if s.key[b] is not None]
+    if cached_taken and any(s.key[b] is None for b in left):
+        return f"evicted {cached_taken} while uncached {[b for b in left if s.key[b] is None]} were free"
+    position = {b: i for i, b in enumerate(s.free)}
+    for x in cached_taken:
+        for y in left:
+            if s.key[y] is not None and (s.prio[y], position[y]) < (s.prio[x], position[x]):
+                return f"evicted block {x} (priority {s.prio[x]}) but kept block {y} (priority {s.prio[y]}, released before it or cheaper)"
+    return None
+
+
 @dataclass
 class Search:
     """Breadth-first search state: where each state was first reached from, and what was seen."""
@@ -189,13 +222,13 @@ def _describe(search: Search, s: PoolState, call: Call, what: str) -> str:
     return f"{'; '.join(steps)}: {what}"
 
 
-def check_sequences(ops: Ops, budget: float, scopes: tuple[tuple[int, int], ...] = SCOPES) -> Outcome:
+def check_sequences(ops: Ops, budget: float, scopes: tuple[tuple[int, int], ...] = SCOPES, policy: str = LRU) -> Outcome:
     """For each (num_blocks, depth) of ``scopes``: every sequence of at most ``depth`` calls from
-    ``initial(num_blocks)``, run with ``ops``."""
+    ``initial(num_blocks, policy)``, run with ``ops``."""
     deadline = time.monotonic() + budget
     done = []
     for num_blocks, depth in scopes:
-        outcome = _search(ops, num_blocks, depth, deadline)
+        outcome = _search(ops, num_blocks, depth, deadline, policy)
         if outcome.verdict == INCOMPLETE:
             return Outcome(INCOMPLETE, detail="; ".join(done + [outcome.detail]))
         if outcome.verdict != CHECKED:
@@ -204,8 +237,8 @@ def check_sequences(ops: Ops, budget: float, scopes: tuple[tuple[int, int], ...]
     return Outcome(CHECKED, detail="; ".join(done) + "; every contract and rule held")
 
 
-def _search(ops: Ops, num_blocks: int, depth: int, deadline: float) -> Outcome:
-    start = pool.initial(num_blocks)
+def _search(ops: Ops, num_blocks: int, depth: int, deadline: float, policy: str = LRU) -> Outcome:
+    start = pool.initial(num_blocks, policy)
     search = Search(parent={start: (None, None)}, accepted=Counter(), refused=Counter())
     frontier, calls = [start], 0
     for _ in range(depth):
@@ -264,7 +297,7 @@ def _cache_partial_accepting_outgrown(
         s.ntok[:block] + (num_tokens,) + s.ntok[block + 1 :],
         s.stamp[:block] + (s.clock,) + s.stamp[block + 1 :],
     )
-    return PoolState(s.ref, *attached, s.free, s.clock + 1, s.prefixes), True
+    return dataclasses.replace(s, key=attached[0], ntok=attached[1], stamp=attached[2], clock=s.clock + 1), True
 
 
 #: The spec's operations with the seeded ``cache_partial``, under the real one's contracts.
@@ -272,7 +305,35 @@ STALE_PARTIAL_OPS: Ops = {
     **SPEC_OPS, "cache_partial": guard_like(pool.cache_partial, _cache_partial_accepting_outgrown)
 }
 
+def _allocate_ignoring_priority(s: PoolState, n: int):
+    """SEEDED BUG: the compute policy takes the free queue's head (LRU order) whatever the
+    priorities say."""
+    result = pool.allocate(dataclasses.replace(s, policy=LRU), n)
+    return None if result is None else (dataclasses.replace(result[0], policy=s.policy), result[1])
+
+
+#: The spec's operations with an allocate that ignores the compute policy's priorities.
+IGNORED_PRIORITY_OPS: Ops = {**SPEC_OPS, "allocate": guard_like(pool.allocate, _allocate_ignoring_priority)}
+
+EVICTION_INVARIANTS = ("INV-EVICT-UNCACHED-FIRST", "INV-EVICT-MIN", "INV-EVICT-CLOCK", "INV-EVICT-VALUE")
+
 OBLIGATIONS = (
+    Obligation(
+        "EXH-POOL-EVICTION",
+        EVICTION_INVARIANTS + INVARIANTS,
+        "exhaustive",
+        "under the compute policy every sequence of <= 5 pool operations on 3 blocks, releases valued from a menu, "
+        "keeps the pool well formed with every contract holding, and allocate takes uncached blocks first and "
+        "then the lowest priorities",
+        lambda budget: check_sequences(SPEC_OPS, budget, COMPUTE_SCOPES, COMPUTE),
+    ),
+    Obligation(
+        "CANARY-EVICT-IGNORES-PRIORITY",
+        ("INV-EVICT-MIN",),
+        "exhaustive",
+        "a compute-policy allocate that takes the queue's head (LRU order) is caught",
+        lambda budget: check_sequences(IGNORED_PRIORITY_OPS, budget, COMPUTE_SCOPES, COMPUTE),
+    ),
     Obligation(
         "EXH-POOL-SEQUENCES",
         INVARIANTS,

@@ -28,17 +28,22 @@ Vocabulary
 Invariant ids used here: INV-POOL-NULL, INV-POOL-REF-NONNEG, INV-POOL-FREE-IFF-UNREF,
 INV-POOL-CONSERVE, INV-POOL-KEY-CONSISTENT, INV-POOL-KEY-LENGTH, INV-POOL-NO-STALE-PARTIAL,
 INV-POOL-PREFIX-KEYS, INV-POOL-ATOMIC, INV-POOL-ALLOC-FRESH, INV-POOL-HELD-TO-CACHE,
-INV-POOL-RESET-IDLE
-(docs/spec.md, the block-pool section).
+INV-POOL-RESET-IDLE; the eviction policy's INV-EVICT-UNCACHED-FIRST, INV-EVICT-MIN,
+INV-EVICT-CLOCK, INV-EVICT-VALUE (``spec.eviction``)
+(docs/spec.md, the block-pool and eviction sections).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Hashable, Optional, Sequence
 
 import icontract
+
+from kvproof.spec.eviction import COMPUTE, LRU, POLICIES, victims
 
 NULL_BLOCK = 0
 
@@ -63,6 +68,13 @@ class PoolState:
     free: tuple[int, ...]
     clock: int = 0
     prefixes: tuple[tuple[tuple[Key, int, int], ...], ...] = ()
+    #: The eviction policy (``spec.eviction``). Under ``compute`` the free queue is the uncached
+    #: run then the cached run (in release order), ``prio[b]`` is cached free block b's
+    #: priority -- its release number (``released`` counts cached blocks released so far) plus
+    #: the value its release gave it.
+    policy: str = LRU
+    prio: tuple[float, ...] = ()
+    released: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -137,10 +149,22 @@ def prefix_keys_nest(s: PoolState) -> bool:
     return True
 
 
+def compute_queue_ordered(s: PoolState) -> bool:
+    """INV-EVICT-UNCACHED-FIRST: under ``compute`` no free uncached block follows a cached one
+    in the queue."""
+    if s.policy != COMPUTE:
+        return True
+    cached = [s.key[b] is not None for b in s.free]
+    return cached == sorted(cached)
+
+
 def well_formed(s: PoolState) -> bool:
     """All whole-state invariants at once."""
     return (
-        len(s.ref) == len(s.key) == len(s.ntok) == len(s.stamp) == len(s.prefixes)
+        s.policy in POLICIES
+        and (len(s.prio) == len(s.ref) or (s.policy == LRU and not s.prio))
+        and compute_queue_ordered(s)
+        and         len(s.ref) == len(s.key) == len(s.ntok) == len(s.stamp) == len(s.prefixes)
         and null_block_inert(s)
         and refs_nonnegative(s)
         and free_iff_unreferenced(s)
@@ -191,12 +215,13 @@ def _replace(t: tuple, index: int, value: object) -> tuple:
 
 
 @icontract.require(lambda num_blocks: num_blocks >= 1, error=lambda num_blocks: ValueError(f"num_blocks {num_blocks} must be >= 1 (block 0 is the null block)"), enabled=True)
+@icontract.require(lambda policy: policy in POLICIES, error=lambda policy: ValueError(f"eviction policy {policy!r} must be one of {', '.join(POLICIES)}"), enabled=True)
 @icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: the initial pool is well formed", enabled=True)
-def initial(num_blocks: int) -> PoolState:
+def initial(num_blocks: int, policy: str = LRU) -> PoolState:
     """A pool of ``num_blocks`` blocks; blocks 1..num_blocks-1 are free, in id order."""
     zeros = (0,) * num_blocks
     return PoolState(ref=zeros, key=(None,) * num_blocks, ntok=zeros, stamp=zeros, free=tuple(range(1, num_blocks)),
-                     prefixes=((),) * num_blocks)
+                     prefixes=((),) * num_blocks, policy=policy, prio=(0.0,) * num_blocks)
 
 
 @icontract.require(lambda n: isinstance(n, int) and n >= 0, error=lambda n: ValueError(f"allocate: block count {n} must be an int >= 0"), enabled=True)
@@ -211,16 +236,37 @@ def initial(num_blocks: int) -> PoolState:
     "INV-POOL-ALLOC-FRESH: allocated blocks are real, have ref 1 and no key",
     enabled=True,
 )
+@icontract.ensure(
+    lambda s, result: result is None or s.policy != COMPUTE
+    or all(s.key[b] is None for b in result[1]) or all(s.key[b] is not None for b in s.free if b not in result[1]),
+    "INV-EVICT-UNCACHED-FIRST: compute evicts a cached block only when no free uncached block is left",
+    enabled=True,
+)
+@icontract.ensure(
+    lambda s, result: result is None or s.policy != COMPUTE
+    or max([-math.inf] + [s.prio[b] for b in result[1] if s.key[b] is not None])
+    <= min([math.inf] + [s.prio[b] for b in s.free if s.key[b] is not None and b not in result[1]]),
+    "INV-EVICT-MIN: compute evicts no block of higher priority than one it keeps",
+    enabled=True,
+)
 @icontract.ensure(lambda result: result is None or well_formed(result[0]), "INV-POOL-CONSERVE: allocate keeps the pool well formed", enabled=True)
 def allocate(s: PoolState, n: int) -> Optional[tuple[PoolState, tuple[int, ...]]]:
-    """Pop ``n`` blocks from the head of the free queue, evicting their keys; None if fewer are free."""
+    """Take ``n`` free blocks, evicting their keys; None if fewer are free. ``lru``: the queue's
+    head. ``compute``: :func:`kvproof.spec.eviction.victims`."""
     if n > len(s.free):
         return None
-    taken = s.free[:n]
+    if s.policy == COMPUTE:
+        cached = {b for b in s.free if s.key[b] is not None}
+        taken = victims(s.free, cached, {b: s.prio[b] for b in cached}, n)
+        chosen = set(taken)
+        rest = tuple(b for b in s.free if b not in chosen)
+    else:
+        taken = s.free[:n]
+        rest = s.free[n:]
     ref, key, ntok, prefixes = list(s.ref), list(s.key), list(s.ntok), list(s.prefixes)
     for b in taken:
         ref[b], key[b], ntok[b], prefixes[b] = 1, None, 0, ()
-    return PoolState(tuple(ref), tuple(key), tuple(ntok), s.stamp, s.free[n:], s.clock, tuple(prefixes)), taken
+    return dataclasses.replace(s, ref=tuple(ref), key=tuple(key), ntok=tuple(ntok), free=rest, prefixes=tuple(prefixes)), taken
 
 
 @icontract.require(
@@ -245,7 +291,7 @@ def touch(s: PoolState, blocks: Sequence[int]) -> PoolState:
         if ref[b] == 0:
             free.remove(b)
         ref[b] += 1
-    return PoolState(tuple(ref), s.key, s.ntok, s.stamp, tuple(free), s.clock, s.prefixes)
+    return dataclasses.replace(s, ref=tuple(ref), free=tuple(free))
 
 
 @icontract.require(
@@ -259,23 +305,40 @@ def touch(s: PoolState, blocks: Sequence[int]) -> PoolState:
     error=lambda s, blocks: ValueError(f"INV-POOL-REF-NONNEG: free of {list(blocks)} would drive a ref count negative"),
     enabled=True,
 )
+@icontract.require(
+    lambda blocks, values: values is None or (len(values) == len(blocks) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in values)),
+    error=lambda blocks, values: ValueError(f"INV-EVICT-VALUE: free: values {values!r} must be one finite number >= 0 per block of {list(blocks)}"),
+    enabled=True,
+)
 @icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: free keeps the pool well formed", enabled=True)
-def free(s: PoolState, blocks: Sequence[int]) -> PoolState:
+def free(s: PoolState, blocks: Sequence[int], values: Optional[Sequence[float]] = None) -> PoolState:
     """Drop one reference per listed block; blocks reaching 0 join the free queue.
 
     Uncached ones go to the head as one batch in the given order (reused first); cached ones go to
-    the tail in the given order (evicted last-freed-last, i.e. LRU).
+    the tail in the given order (evicted last-freed-last, i.e. LRU). Under ``compute`` a cached
+    block released gets priority ``released + values[i]`` (INV-EVICT-CLOCK; values 0 when none
+    are given), ``released`` counting up by one per cached block released.
     """
     ref = list(s.ref)
     uncached: list[int] = []
-    cached: list[int] = []
-    for b in blocks:
+    cached: list[tuple[int, float]] = []
+    for i, b in enumerate(blocks):
         if b == NULL_BLOCK:
             continue
         ref[b] -= 1
         if ref[b] == 0:
-            (uncached if s.key[b] is None else cached).append(b)
-    return PoolState(tuple(ref), s.key, s.ntok, s.stamp, tuple(uncached) + s.free + tuple(cached), s.clock, s.prefixes)
+            if s.key[b] is None:
+                uncached.append(b)
+            else:
+                cached.append((b, values[i] if values is not None else 0.0))
+    if s.policy == COMPUTE:
+        prio = list(s.prio)
+        for i, (b, v) in enumerate(cached):
+            prio[b] = s.released + i + v
+        return dataclasses.replace(s, ref=tuple(ref), prio=tuple(prio), free=tuple(uncached) + s.free + tuple(b for b, _ in cached),
+                                   released=s.released + len(cached))
+    return dataclasses.replace(s, ref=tuple(ref), free=tuple(uncached) + s.free + tuple(b for b, _ in cached))
 
 
 def _cacheable(s: PoolState, b: int) -> bool:
@@ -294,9 +357,9 @@ def _attach(s: PoolState, b: int, key: Key, n: int, keep_prefixes: bool) -> Pool
     """Name b by ``key`` covering ``n`` tokens; b's keys so far become prefix keys (keep) or are
     retired."""
     kept = entries(s, b) if keep_prefixes else ()
-    return PoolState(
-        s.ref, _replace(s.key, b, key), _replace(s.ntok, b, n), _replace(s.stamp, b, s.clock), s.free, s.clock + 1,
-        _replace(s.prefixes, b, kept),
+    return dataclasses.replace(
+        s, key=_replace(s.key, b, key), ntok=_replace(s.ntok, b, n), stamp=_replace(s.stamp, b, s.clock), clock=s.clock + 1,
+        prefixes=_replace(s.prefixes, b, kept),
     )
 
 
@@ -411,7 +474,44 @@ def evict(s: PoolState, blocks: Sequence[int]) -> PoolState:
     key, ntok, prefixes = list(s.key), list(s.ntok), list(s.prefixes)
     for b in blocks:
         key[b], ntok[b], prefixes[b] = None, 0, ()
-    return PoolState(s.ref, tuple(key), tuple(ntok), s.stamp, s.free, s.clock, tuple(prefixes))
+    free = s.free
+    if s.policy == COMPUTE:  # a free block that lost its key ends the uncached run
+        moved = [b for b in dict.fromkeys(blocks) if s.key[b] is not None and s.ref[b] == 0]
+        if moved:
+            rest = [b for b in s.free if b not in moved]
+            cut = next((i for i, b in enumerate(rest) if s.key[b] is not None and b not in moved), len(rest))
+            free = tuple(rest[:cut] + moved + rest[cut:])
+    return dataclasses.replace(s, key=tuple(key), ntok=tuple(ntok), free=free, prefixes=tuple(prefixes))
+
+
+@icontract.require(
+    lambda s, blocks: all(_is_real(s, b) for b in blocks),
+    error=lambda s, blocks: ValueError(f"requeue: block ids {list(blocks)} must lie in [1, {s.num_blocks})"),
+    enabled=True,
+)
+@icontract.require(
+    lambda blocks, values: values is None or (len(values) == len(blocks) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in values)),
+    error=lambda blocks, values: ValueError(f"INV-EVICT-VALUE: requeue: values {values!r} must be one finite number >= 0 per block of {list(blocks)}"),
+    enabled=True,
+)
+@icontract.ensure(lambda s, result: set(result.free) == set(s.free), "INV-POOL-FREE-IFF-UNREF: requeue moves blocks within the free queue", enabled=True)
+@icontract.ensure(lambda result: well_formed(result), "INV-POOL-CONSERVE: requeue keeps the pool well formed", enabled=True)
+def requeue(s: PoolState, blocks: Sequence[int], values: Optional[Sequence[float]] = None) -> PoolState:
+    """Count each listed evictable cached block as released again now, in the given order: it
+    moves to the tail of the free queue, and under ``compute`` gets priority ``released +
+    value`` (as if freed now). Blocks that are held, uncached, or listed before are skipped."""
+    moved: dict[int, float] = {}
+    for i, b in enumerate(blocks):
+        if s.ref[b] == 0 and s.key[b] is not None and b not in moved:
+            moved[b] = values[i] if values is not None else 0.0
+    free = tuple(b for b in s.free if b not in moved) + tuple(moved)
+    if s.policy != COMPUTE:
+        return dataclasses.replace(s, free=free)
+    prio = list(s.prio)
+    for i, (b, v) in enumerate(moved.items()):
+        prio[b] = s.released + i + v
+    return dataclasses.replace(s, free=free, prio=tuple(prio), released=s.released + len(moved))
 
 
 @icontract.ensure(
@@ -426,7 +526,7 @@ def reset(s: PoolState) -> tuple[PoolState, bool]:
     if any(r > 0 for r in s.ref):
         return s, False
     n = s.num_blocks
-    return PoolState(s.ref, (None,) * n, (0,) * n, s.stamp, s.free, s.clock, ((),) * n), True
+    return dataclasses.replace(s, key=(None,) * n, ntok=(0,) * n, prefixes=((),) * n), True
 
 
 @icontract.require(
@@ -453,4 +553,4 @@ def move_key(s: PoolState, src: int, dst: int) -> PoolState:
     ntok = _replace(_replace(s.ntok, dst, s.ntok[src]), src, 0)
     stamp = _replace(s.stamp, dst, s.stamp[src])
     prefixes = _replace(_replace(s.prefixes, dst, s.prefixes[src]), src, ())
-    return PoolState(s.ref, key, ntok, stamp, s.free, s.clock, prefixes)
+    return dataclasses.replace(s, key=key, ntok=ntok, stamp=stamp, prefixes=prefixes)

@@ -18,6 +18,7 @@ from kvproof.spec.geometry import (
     partial_hash_hits,
     scheduler_block_size,
 )
+from kvproof.spec.eviction import parse_policy
 from kvproof.spec.groups import CacheGroup, GroupKind
 
 #: Longest context the geometry accepts (2**30 tokens): far beyond any model, small enough
@@ -43,6 +44,9 @@ class LayoutConfig:
     #: Stop a prefill chunk exactly at a shared-prefix junction, not at the Mamba block below it
     #: (vLLM's ``enable_mamba_shared_prefix_checkpoint``).
     shared_prefix_checkpoint: bool = False
+    #: Which evictable cached block the pool reuses first (``spec.eviction``): ``lru`` (vLLM's)
+    #: or ``compute`` (the least prefill compute lost, aged GreedyDual-style).
+    eviction: str = "lru"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +96,7 @@ def validate_config(config: LayoutConfig) -> None:
     _positive_int("dcp", config.dcp, upper=1024)
     _positive_int("max_model_len", config.max_model_len, upper=MAX_MODEL_LEN_LIMIT)
     _positive_int("interleave", config.interleave)
+    parse_policy(config.eviction)
     for i, g in enumerate(config.groups):
         if g.kind is GroupKind.MAMBA and g.dcp_sharded:
             raise ValueError(

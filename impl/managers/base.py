@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvproof.impl.block_pool import NULL_BLOCK, BlockPool
+from kvproof.impl.eviction import EvictionValuer
 from kvproof.impl.hashing import key_at
 from kvproof.impl.request import Request
 from kvproof.spec.contracts import InvariantViolation
@@ -86,6 +87,8 @@ class SingleTypeManager:
         self.ledger = ledger
         self.use_eagle = use_eagle
         self.tables: dict[str, list[int]] = {}
+        #: The compute eviction policy's valuer (set by the coordinator; None under lru).
+        self.valuer: EvictionValuer | None = None
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -143,7 +146,13 @@ class SingleTypeManager:
         """Mutates. Drop the request's references, tail first (its tail is evicted first)."""
         table = self.tables.pop(request.request_id, None)
         if table:
-            self.pool.free([b for b in reversed(table) if b != NULL_BLOCK])
+            blocks = [b for b in reversed(table) if b != NULL_BLOCK]
+            self.pool.free(blocks, None if self.valuer is None else self._release_values(request, table, blocks))
+
+    def _release_values(self, request: Request, table: list[int], blocks: list[int]) -> list[float]:
+        """The compute policy's values of ``blocks`` (``table``'s real blocks, tail first) as the
+        request releases them: an attention chain's (``EvictionValuer.attention_values``). No state change."""
+        return self.valuer.attention_values(request.request_id, request.num_computed_tokens, table, self.block_size)
 
     def _grow(self, table: list[int], total_tokens: int) -> list[int]:
         """Mutates. Append fresh blocks until ``table`` covers ``total_tokens``; returns them."""

@@ -53,6 +53,9 @@ class MambaManager(SingleTypeManager):
         # O(entries the request's state passed since the last check)
         self._checked_below: dict[str, int] = {}
         self._real_limit = 1 + self.group.num_speculative_blocks
+        #: Compute policy: cached states a running request released (block, key), requeued when
+        #: it ends so they are not evicted before the attention chain they complete.
+        self._released: dict[str, list[tuple[int, object]]] = {}
 
     def row_length(self, total_tokens: int) -> int:
         return -(-total_tokens // self.block_size) + self._spec
@@ -161,12 +164,17 @@ class MambaManager(SingleTypeManager):
         if moved is not None:
             state, copy = moved
             pool.move_key(state, copy)
-            pool.free([copy])  # the copy is held by the cache only: evictable, hittable
+            pool.free([copy], self._values(rid, [copy]))  # the copy is held by the cache only: evictable, hittable
+            if self.valuer is not None:
+                self._released.setdefault(rid, []).append((copy, pool.key_of(copy)))
         index = self._state_index[rid]
         # Release the old state: the step that read it ran.
         below = self._superseded.pop(rid, None)
         if below:
-            pool.free([table[i] for i in reversed(below)])
+            released = [table[i] for i in reversed(below)]
+            pool.free(released, self._values(rid, released))
+            if self.valuer is not None:
+                self._released.setdefault(rid, []).extend((x, pool.key_of(x)) for x in released if pool.key_of(x) is not None)
             for i in below:
                 table[i] = NULL_BLOCK
         n, b, h = num_computed, self.block_size, self.hash_block_size
@@ -188,6 +196,20 @@ class MambaManager(SingleTypeManager):
                 self.ledger.keyed.add(block)
         elif pool.cache_partial(block, key, n, replace=True):
             self.ledger.keyed.add(block)
+        if self.valuer is not None and pool.key_of(block) == key:
+            self.valuer.note_state(rid, self.group_id, n)
+
+    def _values(self, request_id: str, blocks: list[int]) -> list[float] | None:
+        """The compute policy's values of this request's state blocks (None under lru): a cached
+        state is worth what it saves over where the request resumed; an uncached block nothing.
+        No state change."""
+        if self.valuer is None:
+            return None
+        ntok = self.pool.num_tokens_of
+        return [self.valuer.state_value(request_id, ntok(b)) if ntok(b) else 0.0 for b in blocks]
+
+    def _release_values(self, request: Request, table: list[int], blocks: list[int]) -> list[float]:
+        return self._values(request.request_id, blocks)
 
     def _keeps(self, request: Request, n: int) -> bool:
         """Whether the state after ``n`` computed tokens is keyed (retention, ``spec.retention``)."""
@@ -227,8 +249,12 @@ class MambaManager(SingleTypeManager):
         rid = request.request_id
         moved = self._pending_move.pop(rid, None)
         if moved is not None:
-            self.pool.free([moved[1]])
+            self.pool.free([moved[1]], self._values(rid, [moved[1]]))
         self._state_index.pop(rid, None)
         self._superseded.pop(rid, None)
         self._checked_below.pop(rid, None)
+        released = self._released.pop(rid, None)
+        if released:  # still the states this request cached (not evicted and reused since)
+            mine = [b for b, k in released if self.pool.key_of(b) == k]
+            self.pool.requeue(mine, self._values(rid, mine))
         super().free(request)

@@ -69,7 +69,8 @@ class SlidingWindowManager(SingleTypeManager):
         # Blocks wholly before the next token's window are no longer read.
         out = [j for j in range(self._first_needed(num_computed)) if table[j] != NULL_BLOCK]
         if out:
-            self.pool.free([table[j] for j in reversed(out)])
+            released = [table[j] for j in reversed(out)]
+            self.pool.free(released, None if self.valuer is None else self.valuer.by_length(self.pool, released))
             for j in out:
                 table[j] = NULL_BLOCK
 

@@ -59,6 +59,7 @@ _LAYOUT_FLAGS = {
     "--interleave": (st.sampled_from(["1", "2"]), hostile_numbers),
     "--retention-interval": (st.sampled_from(["none", "0", "16"]), hostile_numbers),
     "--shared-prefix-checkpoint": None,
+    "--eviction": (st.sampled_from(["lru", "compute"]), st.sampled_from(["fifo", "LRU", ""])),
 }
 _COMMAND_FLAGS = {
     "geometry": {"--json": None, "--list-presets": None},

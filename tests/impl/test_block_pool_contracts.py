@@ -80,7 +80,11 @@ SEEDED_BUGS = {
     "INV-POOL-PREFIX-KEYS: evicted blocks have no key": (
         ("            if self._key[b] is not None:\n                self._drop_key(b)\n                dropped += 1\n"
          "                if self._ref[b] == 0:  # a free block that no longer caches anything\n"
-         "                    self._occupied[self._group[b]] -= 1\n", "            pass\n"),
+         "                    self._occupied[self._group[b]] -= 1\n"
+         "                    if self._compute:  # leaves the heap, ends the uncached queue\n"
+         "                        self._hseq[b] = -1\n"
+         "                        self._num_cached_free -= 1\n"
+         "                        self._link_last(b)\n", "            pass\n"),
         lambda pool: (pool.allocate(1), pool.cache_full(1, ("k", 0), 2), pool.evict([1])),
     ),
     "INV-POOL-PREFIX-KEYS: with keep_prefixes the block keeps every key it had": (

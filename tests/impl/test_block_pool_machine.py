@@ -25,6 +25,14 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 from kvproof.impl.block_pool import BlockPool
 from kvproof.impl.hashing import key_at, request_block_hashes
 from kvproof.spec import block_pool as spec
+from kvproof.spec.eviction import COMPUTE, POLICIES, victims
+from ..conftest import PROFILE, Reach
+
+#: What the fixed-seed run must reach (checked after the last example).
+REACH = Reach()
+#: Values a release gives its blocks under the compute policy: equal ones (ties broken by
+#: release order) and different ones, some worth many releases (so later blocks overtake).
+VALUES = st.sampled_from([0.0, 1.0, 2.5, 10.0])
 
 H = 2  # hash-block size: small so prefixes share and diverge often
 GROUPS = (0, 1)
@@ -76,10 +84,11 @@ class PoolMachine(RuleBasedStateMachine):
     keys = Bundle("keys")
     blocks = Bundle("blocks")
 
-    @initialize(num_blocks=st.integers(2, 8))
-    def start(self, num_blocks):
-        self.pool = BlockPool(num_blocks)
-        self.model = spec.initial(num_blocks)
+    @initialize(num_blocks=st.integers(2, 8), policy=st.sampled_from(POLICIES))
+    def start(self, num_blocks, policy):
+        self.pool = BlockPool(num_blocks, policy=policy)
+        self.model = spec.initial(num_blocks, policy)
+        self.policy = policy
         self.held: list[int] = []  # the references the test (as caller) holds, one entry each
         self.content: dict[int, Optional[tuple]] = {}  # block -> (salt, tokens, group) it holds
         self.keys_seen: dict[tuple, tuple] = {}  # key -> the content it names
@@ -111,6 +120,28 @@ class PoolMachine(RuleBasedStateMachine):
 
     # --- verbs ---------------------------------------------------------------------------------
 
+    def _values(self, data, blocks):
+        """Values for a release: drawn under compute (or none at all), None under lru."""
+        if self.policy != COMPUTE or not data.draw(st.integers(0, 3)):
+            return None
+        return data.draw(st.lists(VALUES, min_size=len(blocks), max_size=len(blocks)))
+
+    def _label_eviction(self, taken):
+        """Label what an allocate under compute did: evicted cached blocks, with an uncached block
+        or a cheaper-but-later cached block it had to pass over."""
+        if self.policy != COMPUTE:
+            return
+        m = self.model
+        cached = [b for b in taken if m.key[b] is not None]
+        if not cached:
+            return
+        REACH("compute: evicted a cached block")
+        if any(m.key[b] is None for b in taken):
+            REACH("compute: uncached taken before cached")
+        order = [b for b in m.free if m.key[b] is not None]
+        if order and cached[0] != order[0]:
+            REACH("compute: evicted out of release order")
+
     @rule(target=blocks, n=st.integers(0, 4))
     def allocate(self, n):
         got = self.pool.allocate(n)
@@ -118,6 +149,7 @@ class PoolMachine(RuleBasedStateMachine):
         if expected is None:
             assert got is None
             return multiple()
+        self._label_eviction(expected[1])
         self.model, taken = expected
         assert tuple(got) == taken, "allocate order differs from the spec"
         for b in got:
@@ -130,8 +162,22 @@ class PoolMachine(RuleBasedStateMachine):
     def free_held(self, data):
         picks = data.draw(st.lists(st.integers(0, len(self.held) - 1), unique=True, min_size=1, max_size=4))
         chosen = [self.held[i] for i in picks]
-        self.pool.free(chosen)
-        self.model = spec.free(self.model, chosen)
+        values = self._values(data, chosen)
+        self.pool.free(chosen, values)
+        self.model = spec.free(self.model, chosen, values)
+        for i in sorted(picks, reverse=True):
+            del self.held[i]
+
+    @precondition(lambda self: self.policy == COMPUTE and len(self.held) >= 2)
+    @rule(data=st.data())
+    def free_valuable_then_cheap(self, data):
+        """The compute policy's hard case: a valuable block released before a cheap one, so the
+        later one goes first."""
+        picks = data.draw(st.lists(st.integers(0, len(self.held) - 1), unique=True, min_size=2, max_size=2))
+        chosen = [self.held[i] for i in picks]
+        values = [data.draw(st.sampled_from([2.5, 10.0])), 0.0]
+        self.pool.free(chosen, values)
+        self.model = spec.free(self.model, chosen, values)
         for i in sorted(picks, reverse=True):
             del self.held[i]
 
@@ -241,6 +287,22 @@ class PoolMachine(RuleBasedStateMachine):
         self.held.clear()
         self.requests.clear()
 
+    @rule(data=st.data(), listed=st.lists(st.one_of(blocks, st.integers(-1, 9)), max_size=3))
+    def requeue(self, data, listed):
+        cached = [b for b in self.model.free if self.model.key[b] is not None]
+        if cached:  # most often a block that is there to requeue
+            listed = listed + data.draw(st.lists(st.sampled_from(cached), max_size=2))
+        values = self._values(data, listed)
+        got = _outcome(lambda: self.pool.requeue(listed, values))
+        expected = _outcome(lambda: spec.requeue(self.model, listed, values))
+        assert got[0] == expected[0], (listed, got, expected)
+        if expected[0] == "ok":
+            moved = sum(1 for b in dict.fromkeys(listed) if self.model.ref[b] == 0 and self.model.key[b] is not None)
+            assert got[1] == moved
+            if moved:
+                REACH(f"{self.policy}: requeued a cached block")
+            self.model = expected[1]
+
     @rule()
     def reset(self):
         got = self.pool.reset()
@@ -310,6 +372,8 @@ class PoolMachine(RuleBasedStateMachine):
         need = -(-n_tok // bs) - len(hits)
         got = self.pool.allocate(need)
         expected = spec.allocate(self.model, need)
+        if expected is not None:
+            self._label_eviction(expected[1])
         if expected is None:
             assert got is None
             self.pool.free(hits[::-1])
@@ -364,8 +428,9 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def finish(self, data):
         req = self.requests.pop(data.draw(st.integers(0, len(self.requests) - 1)))
-        self.pool.free(req.blocks[::-1])
-        self.model = spec.free(self.model, req.blocks[::-1])
+        values = self._values(data, req.blocks)
+        self.pool.free(req.blocks[::-1], values)
+        self.model = spec.free(self.model, req.blocks[::-1], values)
 
     # --- invariants ----------------------------------------------------------------------------
 
@@ -382,7 +447,14 @@ class PoolMachine(RuleBasedStateMachine):
         for b in range(pool.num_blocks):
             assert (pool.ref_count(b), pool.key_of(b), pool.num_tokens_of(b)) == (model.ref[b], model.key[b], model.ntok[b]), b
             assert pool.keys_of(b) == spec.keys_of(model, b), b
-        assert pool.free_order() == model.free
+        if self.policy == COMPUTE:  # allocation order: uncached, then cached by (priority, release)
+            cached = {b for b in model.free if model.key[b] is not None}
+            assert pool.free_order() == victims(model.free, cached, {b: model.prio[b] for b in cached}, len(model.free))
+            assert pool.released == model.released
+            for b in range(1, pool.num_blocks):
+                assert pool.priority(b) == (model.prio[b] if b in cached else None), b
+        else:
+            assert pool.free_order() == model.free
         assert pool.num_free == spec.num_free(model)
         assert pool.num_cached_keys() == len({k for b in range(model.num_blocks) for k, _ in spec.keys_of(model, b)})
         for key in self.keys_seen:
@@ -411,5 +483,17 @@ class PoolMachine(RuleBasedStateMachine):
                     assert held == named, f"block {b}'s primary key names {named} but it holds {held}"
 
 
-PoolMachine.TestCase.settings = settings(max_examples=250, stateful_step_count=50, deadline=None)
-test_block_pool_matches_spec = PoolMachine.TestCase
+class TestBlockPoolMatchesSpec(PoolMachine.TestCase):
+    settings = settings(max_examples=250, stateful_step_count=50, deadline=None)
+
+    @classmethod
+    def setUpClass(cls):
+        REACH.counts.clear()
+        REACH.minimums = {"compute: evicted a cached block": 20, "compute: uncached taken before cached": 1,
+                          "compute: evicted out of release order": 1, "compute: requeued a cached block": 5,
+                          "lru: requeued a cached block": 5}
+
+    @classmethod
+    def tearDownClass(cls):
+        if PROFILE == "ci":  # a fixed-seed run must reach the hard cases
+            assert not REACH.shortfall(), f"the pool machine reached too few: {REACH.shortfall()} of {dict(REACH.counts)}"

@@ -177,6 +177,7 @@ def test_parallel_jobs_give_the_same_numbers(plan_json, mooncake_trace):
     (["--generate", "--suffix-len", "9-x"], "suffix length '9-x' must be LO-HI"),
     (["--plot", "out.txt"], "plot file 'out.txt' must end in .png"),
     (["--plot", "/nonexistent/dir/p.png"], "folder '/nonexistent/dir' is missing"),
+    (["--eviction", "lru,fifo"], "eviction policy 'fifo' in --eviction 'lru,fifo' must be one of lru, compute"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run_plan(capsys, *argv, "--no-progress", "--jobs", "1")
@@ -206,3 +207,24 @@ def test_violations_exit_1(capsys, mooncake_trace, monkeypatch):
     monkeypatch.setattr(HybridCoordinator, "find_longest_hit", off_grid)
     code, out, err = run_plan(capsys, "--trace", mooncake_trace, *SMALL, "--dcp", "1", "--num-blocks", "600")
     assert code == 1 and "INV-HIT-BOUND" in out and err == "kvproof plan: 1 invariant violation(s)\n"
+
+
+def test_eviction_policies_side_by_side(capsys, mooncake_trace):
+    """``--eviction lru,compute``: one row per policy and DCP size, the JSON configs carry the
+    policy, and each row's numbers are a direct replay's with that policy (lru: as before)."""
+    argv = ["--trace", mooncake_trace, *SMALL, "--dcp", "1,2", "--num-blocks", "120", "--eviction", "lru,compute"]
+    code, out, err = run_plan(capsys, *argv, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["layout"]["eviction"] == ["lru", "compute"]
+    assert [(c["dcp"], c["eviction"]) for c in data["configs"]] == [(1, "lru"), (1, "compute"), (2, "lru"), (2, "compute")]
+    groups = (CacheGroup(GroupKind.FULL_ATTENTION, 128), CacheGroup(GroupKind.MAMBA, 256))
+    trace = [to_trace_request(r, math.floor(r.timestamp_ms / 50.0)) for r in iter_mooncake(mooncake_trace)]
+    for c in data["configs"]:
+        layout = resolve_layout(LayoutConfig(groups, dcp=c["dcp"], max_model_len=8192, eviction=c["eviction"]))
+        result = replay(trace, layout, 120, 8192, oracle=False)
+        assert c["cached_tokens"] == sum(r.num_cached_tokens for r in result.requests)
+        assert c["evictions"] == result.evictions > 0
+    code, out, err = run_plan(capsys, *argv)
+    assert code == 0, err
+    assert " engine  eviction  DCP" in out and "kvproof   compute    2" in out

@@ -92,3 +92,18 @@ def test_missing_matplotlib_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     assert main(["plan", "--plot", "x.png", "--no-progress"]) == 2
     assert capsys.readouterr().err == f"kvproof plan: error: {MISSING}\n"
+
+
+def test_sweep_draws_one_line_per_dcp_and_eviction_policy():
+    import dataclasses
+
+    def both(r):
+        return [r, dataclasses.replace(r, eviction="compute", cached_tokens=r.cached_tokens + 10)]
+
+    reports = both(report(1, 0.2)) + both(report(2, 0.15))
+    sweep = both(report(1, 0.1, 0.5)) + both(report(1, 0.2)) + both(report(2, 0.12, 0.5)) + both(report(2, 0.15))
+    hit, _, capacity = build_figure(reports, sweep, "title").axes
+    assert series(hit)["hit rate (lru eviction)"] == [20.0, 15.0]
+    assert series(hit)["hit rate (compute eviction)"] == [21.0, 16.0]
+    assert series(capacity) == {"DCP 1, lru": [10.0, 20.0], "DCP 1, compute": [11.0, 21.0],
+                                "DCP 2, lru": [12.0, 15.0], "DCP 2, compute": [13.0, 16.0]}
