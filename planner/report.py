@@ -53,6 +53,7 @@ def plan_to_json(result: PlanResult) -> dict:
             "groups": [g.group.label for g in base.groups],
             "max_model_len": base.config.max_model_len,
             "retention_interval": base.config.retention_interval,
+            "attention_keys": base.config.attention_keys,
             "max_num_batched_tokens": req.options.max_num_batched_tokens,
             "max_num_seqs": req.options.max_num_seqs,
             "vllm_groups_per_group": list(result.vllm_groups),
@@ -85,7 +86,7 @@ def plan_to_text(result: PlanResult) -> str:
         f"workload: {req.workload.description}; {req.workload.prompt_tokens:,} prompt tokens",
         f"layout: {', '.join(g.group.label for g in base.groups)}; max-model-len {base.config.max_model_len:,}; "
         f"retention {'none' if base.config.retention_interval is None else base.config.retention_interval}; "
-        f"budget {req.options.max_num_batched_tokens:,} tokens/step; engine kvproof"
+        f"attention keys {base.config.attention_keys}; budget {req.options.max_num_batched_tokens:,} tokens/step; engine kvproof"
         + (" and vLLM 0.33.0" if result.vllm_reports else "")
         + (" with the content oracle" if req.options.oracle else ""),
     ]
