@@ -26,8 +26,8 @@ MAX_MODEL_LEN_LIMIT = 1 << 30
 
 #: Where an attention (full attention / MLA) block gets prefix-cache keys, for
 #: ``LayoutConfig.attention_keys``: ``every-hash`` at every hash boundary the forward pass wrote
-#: (INV-KEYS-EVERY-HASH), ``chunk-ends`` only at block ends and each step's last hash boundary
-#: (vLLM 0.33's rule, kept for comparison).
+#: (the managers' keying rule, docs/spec.md), ``chunk-ends`` only at block ends and each step's
+#: last hash boundary (vLLM 0.33's rule, kept for comparison).
 ATTENTION_KEYS = ("every-hash", "chunk-ends")
 
 
