@@ -126,36 +126,28 @@ class FullAttentionManager(SingleTypeManager):
         self._keyed[rid] = (max(full, full_done), partial_done)
 
     def _key_every_hash(self, table: list[int], hashes, done: int, boundary: int) -> None:
-        """Mutates. Key every hash boundary in ``(done, boundary]`` on the block holding it,
-        shortest first, so each new key becomes the block's primary and the one before it a
-        prefix key; a boundary at a block's end gets the full-block key."""
+        """Mutates. Key every hash boundary in ``(done, boundary]`` on the block holding it, one
+        pool call per block (``grow_keys``): the longest becomes the block's primary (the
+        full-block key at a block end), the shorter ones and the block's earlier keys prefix
+        keys."""
         b, h, gid = self.block_size, self.hash_block_size, self.group_id
-        cache_partial, cache_full, keyed = self.pool.cache_partial, self.pool.cache_full, self.ledger.keyed
+        grow, covered, keyed = self.pool.grow_keys, self.pool.num_tokens_of, self.ledger.keyed
         n = done + h
         while n <= boundary:
             j = (n - 1) // b
-            end = (j + 1) * b
+            last = min(boundary, (j + 1) * b)
             blk = table[j]
-            last = min(boundary, end)
-            newly = False
-            while n <= last:
-                key = (hashes[n // h - 1], gid)  # key_at's key, boundaries checked by the loop bounds
-                if n == end:
-                    newly |= cache_full(blk, key, n, True)
-                else:
-                    attached = cache_partial(blk, key, n, False, True)
-                    if attached is None:
-                        # The block already covers more under another key: the manager is keying
-                        # a block this request does not write (its bookkeeping is wrong).
-                        raise InvariantViolation(
-                            "INV-KEYS-EVERY-HASH",
-                            f"group {gid}: boundary {n} refused on block {blk} (row index {j}), which already "
-                            f"covers {self.pool.num_tokens_of(blk)} tokens under another key",
-                        )
-                    newly |= attached
-                n += h
-            if newly:
-                keyed.add(blk)
+            if covered(blk) >= n:
+                # The block already covers this boundary under another key: the manager is
+                # keying a block this request does not write (its bookkeeping is wrong).
+                raise InvariantViolation(
+                    "INV-KEYS-EVERY-HASH",
+                    f"group {gid}: boundary {n} on block {blk} (row index {j}), which already covers "
+                    f"{covered(blk)} tokens under another key",
+                )
+            grow(blk, [((hashes[m // h - 1], gid), m) for m in range(n, last + 1, h)])  # key_at's keys
+            keyed.add(blk)
+            n = last + h
 
     def check_keys(self) -> None:
         """INV-KEYS-PER-BLOCK (slow tier, O(keys of the tables' blocks)): every key of row block
