@@ -31,8 +31,8 @@ from kvproof.impl.replay import replay  # noqa: E402
 from kvproof.impl.workload import read_workload  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
 
-TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "traces", "mooncake",
-                     "conversation_trace.jsonl")
+TRACE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "traces", "mooncake",
+                     "conversation_trace.jsonl"))
 
 
 def bytes_per_prefix_key(blocks: int = 2000, keys_per_block: int = 8) -> float:
@@ -79,7 +79,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     groups = PRESETS[args.preset].groups if args.preset else tuple(parse_group(g) for g in args.group or ["mla:256"])
     workload = read_workload(args.trace, limit=args.limit)
-    trace = list(workload.requests)
     per_key = bytes_per_prefix_key()
     print(f"# {workload.description}; groups {', '.join(g.label for g in groups)}, H {args.hash_block_size or 'derived'}, "
           f"{args.num_blocks:,} blocks, budget {args.budget}; one prefix key costs {per_key:.0f} host bytes (tracemalloc)")
@@ -87,8 +86,8 @@ def main(argv=None) -> int:
           f"{'prefix keys c-e':>15}  {'prefix keys e-h':>15}  {'most keys/block e-h':>19}  {'key MiB e-h':>11}")
     for dcp in args.dcp:
         base = LayoutConfig(groups, dcp=dcp, max_model_len=1 << 20, hash_block_size=args.hash_block_size)
-        ce, ce_prefix, _ = one(trace, dataclasses.replace(base, attention_keys="chunk-ends"), args.num_blocks, args.budget)
-        eh, eh_prefix, eh_most = one(trace, dataclasses.replace(base, attention_keys="every-hash"), args.num_blocks, args.budget)
+        ce, ce_prefix, _ = one(workload.requests(), dataclasses.replace(base, attention_keys="chunk-ends"), args.num_blocks, args.budget)
+        eh, eh_prefix, eh_most = one(workload.requests(), dataclasses.replace(base, attention_keys="every-hash"), args.num_blocks, args.budget)
         layout = resolve_layout(base)
         if ce.evictions or eh.evictions or ce.violations or eh.violations:
             print(f"# dcp {dcp}: evictions {ce.evictions}/{eh.evictions}, violations {ce.violations + eh.violations}; "
