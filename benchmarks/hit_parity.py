@@ -46,8 +46,8 @@ GENERATED = GeneratorSpec(requests=200, system_prompts=4, system_prompt_len=(200
                           continuation=0.5, output_len=(4, 48), rate=4.0, seed=0)
 
 
-def generated_trace():
-    return list(generate(GENERATED, max_tokens=1 << 20).requests())
+def generated_trace(requests: int):
+    return list(generate(dataclasses.replace(GENERATED, requests=requests), max_tokens=1 << 20).requests())
 
 
 def mooncake_trace(path: pathlib.Path, limit: int):
@@ -81,11 +81,12 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=int, default=2048, help="tokens per step (default 2048)")
     p.add_argument("--mooncake", type=pathlib.Path, default=MOONCAKE, help="the Mooncake trace (skipped if absent)")
     p.add_argument("--mooncake-requests", type=int, default=1000)
+    p.add_argument("--generated-requests", type=int, default=GENERATED.requests)
     p.add_argument("--no-generated", action="store_true")
     args = p.parse_args(argv)
     workloads = []
     if not args.no_generated:
-        workloads.append(("generated", generated_trace(), (SEQUENTIAL, TRACE)))
+        workloads.append(("generated", generated_trace(args.generated_requests), (SEQUENTIAL, TRACE)))
     if args.mooncake.exists():
         workloads.append(("mooncake", mooncake_trace(args.mooncake, args.mooncake_requests), (SEQUENTIAL,)))
     else:

@@ -230,6 +230,11 @@ class VllmManagerAdapter:
         """None: vLLM's scheduler has no fallback; a request that cannot afford its hit waits."""
         return iter(())
 
+    def keyed_lengths(self, request: Request, start: int, end: int) -> tuple[int, ...]:
+        """None: vLLM registers keys inside ``allocate_slots``, so a same-step sharer already
+        sees them (and vLLM defers a same-step Mamba hit itself); the driver never waits."""
+        return ()
+
     def allocate_slots(self, request: Request, num_new_tokens: int, hit: Optional[VllmHit] = None):
         """vLLM's ``allocate_slots`` as ``Scheduler.schedule`` calls it: for a running request
         with just the new-token count, for a waiting one with the hit's tokens and blocks (and

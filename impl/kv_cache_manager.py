@@ -34,6 +34,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.coordinator = HybridCoordinator(layout, self.pool, use_eagle=use_eagle)
         self.managers = self.coordinator.managers
+        self._mamba_managers = [m for m in self.managers if isinstance(m, MambaManager)]
         self._step = 0
         self._running_tables = self.managers[0].tables  # a request is running iff it has a row
         self._in_flight: set[str] = set()  # allocated this step, not yet cached
@@ -71,6 +72,17 @@ class KVCacheManager:
             yield self.lookup(request, bound=aligned)
         if hit.num_tokens:
             yield self.coordinator.miss
+
+    def keyed_lengths(self, request: Request, start: int, end: int) -> list[int]:
+        """The lengths in ``(start, end]`` a request sharing that prefix can hit once a chunk
+        computing ``[start, end)`` of ``request`` has run: where every group will hold an entry
+        (each manager's own caching rule says where, ``keyed_lengths``). No state change."""
+        a = self.coordinator.alignment
+        if end // a == start // a:
+            return []  # no length on the hit grid in (start, end]: most decode steps
+        per_group = [m.keyed_lengths(request, start, end) for m in self.managers]
+        fewest = min(per_group, key=len)
+        return [n for n in fewest if all(n in lengths for lengths in per_group)]
 
     def block_table(self, request: Request) -> tuple[list[int], ...]:
         """The request's current block list per group (copies; for tests and the oracle)."""
@@ -148,8 +160,6 @@ class KVCacheManager:
         for m in self.managers:
             m.cache(request, n)
         self._in_flight.discard(request.request_id)
-        if contracts.slow():
-            self.check_request(request)
 
     def free(self, request: Request) -> None:
         """Mutates. Release every block of ``request`` (finished, or preempted)."""
@@ -165,10 +175,10 @@ class KVCacheManager:
     # --- checks ---------------------------------------------------------------------------------
 
     def check_request(self, request: Request) -> None:
-        """Per-request invariants between steps (O(blocks of the request))."""
-        for m in self.managers:
-            if isinstance(m, MambaManager):
-                m.check_real_blocks(request)
+        """Per-request invariants between steps (``MambaManager.cache`` runs the same check
+        after every step, skipping it when the row did not move)."""
+        for m in self._mamba_managers:
+            m.check_real_blocks(request)
 
     def _check(self) -> bool:
         """Whole-state check (slow tier): pool conservation, every table entry is held, and the

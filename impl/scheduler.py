@@ -18,6 +18,7 @@ import bisect
 import collections
 import dataclasses
 import operator
+from typing import Optional
 
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
@@ -61,7 +62,13 @@ class StepPlan:
 
 class Scheduler:
     """``long_prefill_token_threshold`` (vLLM's): when more than one request is running or
-    waiting, no chunk takes more than that many tokens (0: no cap)."""
+    waiting, no chunk takes more than that many tokens (0: no cap).
+
+    A waiting request whose prefix another request computes in this very step, further than the
+    cache can give it now, waits for the next step: keys appear only after the forward pass, so
+    admitting it now would recompute what the cache holds one step later (vLLM 0.33.0 defers a
+    same-step Mamba hit the same way). ``num_producer_waits`` counts those waits.
+    """
 
     def __init__(
         self, kv: KVCacheManager, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
@@ -82,7 +89,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished: list[Request] = []
         self.num_preemptions = 0
+        self.num_producer_waits = 0
         self.step = 0
+        # this step's chunks (request, start, end), and the hashes of the prefixes they will key
+        # (hittable after the step), worked out only once a waiting request asks
+        self._chunks_this_step: list[tuple[Request, int, int]] = []
+        self._keyed_this_step: Optional[set[bytes]] = None
         self._splitter = _splitter_for(kv, max_num_batched_tokens, long_prefill_token_threshold)
 
     def add_request(self, request: Request) -> None:
@@ -117,6 +129,8 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         scheduled: set[str] = set()
+        self._chunks_this_step = []
+        self._keyed_this_step = None
         queue = list(self.running)
         i = 0
         while i < len(queue) and budget > 0:
@@ -143,6 +157,7 @@ class Scheduler:
             if blocks is None:
                 continue
             chunks.append(ScheduledChunk(req, start, end - start, blocks, overwrite=False))
+            self._note_chunk(req, start, end)
             scheduled.add(req.request_id)
             budget -= end - start
             i += 1
@@ -155,6 +170,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
             chunks.append(admitted)
+            self._note_chunk(req, admitted.start, admitted.start + admitted.num_tokens)
             budget -= admitted.num_tokens
         return StepPlan(self.step, chunks, self.kv.take_block_copies(), preempted)
 
@@ -165,6 +181,9 @@ class Scheduler:
         that fits an empty pool without a hit is always admitted. Raises CapacityError when
         not even that fits."""
         hit = self.kv.lookup(req)
+        if self._producer_in_flight(req, hit.num_tokens):
+            self.num_producer_waits += 1
+            return None
         fallbacks = self.kv.cheaper_hits(req, hit) if alone else iter(())
         while True:
             req.junctions = hit.junctions
@@ -184,6 +203,35 @@ class Scheduler:
                         f"({self.kv.pool.num_blocks - 1} blocks, {self.kv.pool.num_free} free); raise --num-blocks",
                     )
                 return None
+
+    def _note_chunk(self, req: Request, start: int, end: int) -> None:
+        """Record that ``req`` computes ``[start, end)`` in this step, if it reaches a new length
+        on the hit grid (only those can be keyed; most decode steps do not)."""
+        a = self.kv.coordinator.alignment
+        if end // a == start // a:
+            return
+        self._chunks_this_step.append((req, start, end))
+        if self._keyed_this_step is not None:
+            self._add_keyed(req, start, end)
+
+    def _add_keyed(self, req: Request, start: int, end: int) -> None:
+        h = self.kv.layout.hash_block_size
+        self._keyed_this_step.update(req.block_hashes[n // h - 1] for n in self.kv.keyed_lengths(req, start, end))
+
+    def _producer_in_flight(self, req: Request, hit: int) -> bool:
+        """Whether this step keys a prefix ``req`` shares beyond ``hit`` (and short of its last
+        token, which it must compute). O(hit-grid lengths between the hit and the prompt end),
+        nothing when the step keys nothing."""
+        if self._keyed_this_step is None:
+            self._keyed_this_step = set()
+            for chunk in self._chunks_this_step:
+                self._add_keyed(*chunk)
+        keyed = self._keyed_this_step
+        if not keyed:
+            return False
+        hashes, h, a = req.block_hashes, self.kv.layout.hash_block_size, self.kv.coordinator.alignment
+        top = min(req.num_tokens - 1, len(hashes) * h) // a * a
+        return any(hashes[n // h - 1] in keyed for n in range(top, hit, -a))
 
     def _preempt(self, request: Request, preempted: list[Request]) -> None:
         self.kv.free(request)

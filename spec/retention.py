@@ -21,6 +21,7 @@ once; ``impl/managers/mamba.py`` asks :func:`keeps_state` for every state it cou
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from kvproof.spec.chunk_split import checkpoint_position
 
@@ -69,6 +70,13 @@ def _block_end_below(position: int, rule: RetentionRule) -> int:
     return aligned // rule.block * rule.block
 
 
+@functools.lru_cache(maxsize=4096)
+def _tail_checkpoint(num_prompt_tokens: int, hash_block: int, eagle: bool, lookahead: int) -> int:
+    """``checkpoint_position`` of a prompt, remembered: the manager asks at every kept-candidate
+    chunk end, and the contract-checked call costs far more than the arithmetic."""
+    return checkpoint_position(num_prompt_tokens, hash_block, eagle, lookahead)
+
+
 def keeps_state(
     n: int,
     rule: RetentionRule,
@@ -88,7 +96,7 @@ def keeps_state(
         return False
     if rule.interval is None:
         return True
-    if n == checkpoint_position(num_prompt_tokens, rule.hash_block, rule.eagle, rule.lookahead):
+    if n == _tail_checkpoint(num_prompt_tokens, rule.hash_block, rule.eagle, rule.lookahead):
         return True  # the prompt's tail: where a sibling replaying the whole prompt resumes
     b = rule.block
     if n % b == 0:

@@ -3,6 +3,7 @@ copies and retained references, and freeing."""
 
 from __future__ import annotations
 
+from typing import Sequence
 
 from kvproof.impl.block_pool import NULL_BLOCK, BlockPool
 from kvproof.impl.hashing import key_at
@@ -97,6 +98,13 @@ class SingleTypeManager:
         """Free-queue blocks ``allocate`` would consume: fresh blocks plus evictable hit blocks
         (touching a ref-0 cached block takes it out of the free queue). No state change."""
         raise NotImplementedError
+
+    def keyed_lengths(self, request: Request, start: int, end: int) -> Sequence[int]:
+        """The lengths in ``(start, end]`` at which, once a chunk computing ``[start, end)`` of
+        ``request`` has run, this group holds an entry a sharer can hit (attention and sliding
+        window: every length on the hit grid, up to what is hashed). No state change."""
+        a = self.alignment
+        return range((start // a + 1) * a, min(end, request.hashed_len) + 1, a)
 
     def check_width(self, request: Request, total_tokens: int) -> None:
         """INV-TABLE-WIDTH at the scheduler: the row this allocation needs fits the worker row."""

@@ -69,6 +69,18 @@ class FullAttentionManager(SingleTypeManager):
         hit -= hit % a
         return hit, blocks[: -(-hit // b)]
 
+    def keyed_lengths(self, request: Request, start: int, end: int):
+        """Every length on the hit grid with every-hash keys (and with hits on whole blocks);
+        with chunk-end keys only the block ends and the chunk's last hash boundary. No state
+        change."""
+        grid = super().keyed_lengths(request, start, end)
+        if self._every_hash or not self._probe_partial:
+            return grid
+        b, h = self.block_size, self.hash_block_size
+        last = min(end, request.hashed_len)
+        last -= last % h
+        return [n for n in grid if n % b == 0 or n == last]
+
     # --- allocation -----------------------------------------------------------------------------
 
     def blocks_needed(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> int:

@@ -3,6 +3,8 @@ every DCP rank, kept in the block at index ``cdiv(n, B) - 1`` after ``n`` comput
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from kvproof.impl.block_pool import NULL_BLOCK
 from kvproof.impl.hashing import key_at
 from kvproof.impl.managers.base import SingleTypeManager
@@ -46,6 +48,11 @@ class MambaManager(SingleTypeManager):
         # request id -> row index of the old state, which the running step still reads;
         # released once it has run
         self._superseded: dict[str, list[int]] = {}
+        # request id -> row index below which every entry was checked to be the null block
+        # (entries below the state are never made real again), so INV-MAMBA-REAL-BLOCKS costs
+        # O(entries the request's state passed since the last check)
+        self._checked_below: dict[str, int] = {}
+        self._real_limit = 1 + self.group.num_speculative_blocks
 
     def row_length(self, total_tokens: int) -> int:
         return -(-total_tokens // self.block_size) + self._spec
@@ -170,12 +177,9 @@ class MambaManager(SingleTypeManager):
                 f"request {rid!r}, group {self.group_id}: state after {n} tokens must be at index "
                 f"{expected_index}, the table's state is at {index}",
             )
-        if n % h or n > request.hashed_len or not self.group.prefix_cacheable:
-            return
-        if n % b and n > request.num_prompt_tokens:
-            return  # past the prompt a state mid-block is the running one: not a checkpoint
-        if not keeps_state(n, self.retention, num_prompt_tokens=request.num_prompt_tokens,
-                           junctions=request.junctions, exact_junction=self.exact_junction):
+        if self._checked_below.get(rid) != index or len(table) - index > self._real_limit:
+            self.check_real_blocks(request)  # INV-MAMBA-REAL-BLOCKS, skipped when nothing moved
+        if not self._keeps(request, n):
             return
         block = table[index]
         key = key_at(request.block_hashes, n, h, self.group_id)
@@ -185,16 +189,39 @@ class MambaManager(SingleTypeManager):
         elif pool.cache_partial(block, key, n, replace=True):
             self.ledger.keyed.add(block)
 
+    def _keeps(self, request: Request, n: int) -> bool:
+        """Whether the state after ``n`` computed tokens is keyed (retention, ``spec.retention``)."""
+        if n % self.hash_block_size or n > request.hashed_len or not self.group.prefix_cacheable:
+            return False
+        if n % self.block_size and n > request.num_prompt_tokens:
+            return False  # past the prompt a state mid-block is the running one: not a checkpoint
+        return keeps_state(n, self.retention, num_prompt_tokens=request.num_prompt_tokens,
+                           junctions=request.junctions, exact_junction=self.exact_junction)
+
+    def keyed_lengths(self, request: Request, start: int, end: int) -> Sequence[int]:
+        """Only the state the chunk ends on, if it is kept."""
+        return (end,) if end > start and end % self.alignment == 0 and self._keeps(request, end) else ()
+
     def check_real_blocks(self, request: Request) -> None:
-        """INV-MAMBA-REAL-BLOCKS: at most two real blocks between steps (plus speculative)."""
-        table = self.tables.get(request.request_id, [])
-        real = sum(1 for x in table if x != NULL_BLOCK)
-        limit = 1 + self.group.num_speculative_blocks
+        """INV-MAMBA-REAL-BLOCKS: between steps a request holds at most ``1 + speculative`` real
+        blocks: its state and the scratch blocks after it. Cheap (amortised O(1) per step): the
+        entries below the state already checked are not read again."""
+        rid = request.request_id
+        table = self.tables.get(rid)
+        if not table:
+            return
+        index = max(self._state_index[rid], 0)
+        low = self._checked_below.get(rid, 0)
+        limit = self._real_limit
+        stray = [i for i in range(low, min(index, len(table))) if table[i] != NULL_BLOCK]
+        real = len(stray) + sum(1 for x in table[index:] if x != NULL_BLOCK)
         if real > limit:
+            where = f" (kept below the state at row index {index}: {stray})" if stray else ""
             raise InvariantViolation(
                 "INV-MAMBA-REAL-BLOCKS",
-                f"request {request.request_id!r}, group {self.group_id}: {real} real state blocks between steps > {limit}",
+                f"request {rid!r}, group {self.group_id}: {real} real state blocks between steps > {limit}{where}",
             )
+        self._checked_below[rid] = max(index, low)
 
     def free(self, request: Request) -> None:
         rid = request.request_id
@@ -203,4 +230,5 @@ class MambaManager(SingleTypeManager):
             self.pool.free([moved[1]])
         self._state_index.pop(rid, None)
         self._superseded.pop(rid, None)
+        self._checked_below.pop(rid, None)
         super().free(request)

@@ -11,8 +11,9 @@ installing kvproof changes nothing in production. When it is set, ``register()``
   subclass) gets the checks of ``checked_scheduler.install_checks`` -- start-up geometry, then
   the per-call manager checks;
 * wraps the worker side (``worker_checks``): block-table writes of model runner V1 and V2,
-  checked against each row's capacity for every group before anything is written, and the
-  copy-on-write batch before it runs.
+  checked against each row's capacity for every group before anything is written, the
+  copy-on-write batch before it runs, and the slot mappings against ``spec.placement`` on a
+  sample of steps.
 
 Any failure to install (a bad switch value, an untested version, a missing vLLM hook) raises
 from ``register()``, which vLLM propagates: asking for checks that cannot be had stops the
@@ -78,7 +79,9 @@ def _install_worker_side() -> None:
     v1.append_row = wc.checked_v1_append_row(v1.append_row, sink)
     v1.add_row = wc.checked_v1_add_row(v1.add_row, sink)
     v2 = v2_tables.BlockTables
+    v1.compute_slot_mapping = wc.checked_v1_slot_mapping(v1.compute_slot_mapping, sink)
     v2.append_block_ids = wc.checked_v2_append_block_ids(v2.append_block_ids, sink)
+    v2.compute_slot_mappings = wc.checked_v2_slot_mappings(v2.compute_slot_mappings, sink)
     copy = wc.checked_copy_blocks(worker_utils.copy_kv_cache_blocks_inplace, sink)
     worker_utils.copy_kv_cache_blocks_inplace = copy
     # The model runners import the function by name; patch the ones already imported (a worker

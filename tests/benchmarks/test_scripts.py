@@ -33,6 +33,19 @@ def test_vllm_baseline_script_runs():
     assert "dense" in proc.stdout
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_hit_parity_benchmark_runs():
+    proc = run("hit_parity.py", "--generated-requests", "8", "--mooncake-requests", "3", "--dcp", "1", "2")
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| generated")]
+    assert len(rows) == 8  # 2 DCP sizes x 2 retentions x 2 arrival modes
+    for row in rows:
+        cells = [c.strip() for c in row]
+        if cells[1] == "sequential":
+            assert cells[9] == "0"  # requests behind vLLM
+        assert cells[11] == "0"  # content-oracle violations
+
+
 def test_oracle_benchmark_runs():
     proc = run("oracle.py", "--requests", "3", "--repeat", "1")
     assert proc.returncode == 0, proc.stderr

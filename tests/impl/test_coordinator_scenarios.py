@@ -253,6 +253,28 @@ def test_mamba_real_block_bound_fires():
         kv.check_request(r)
 
 
+def test_mamba_real_block_bound_is_cheap_and_catches_a_state_never_released(monkeypatch):
+    """With the slow switch off: a manager that forgets to release the state it advanced past
+    is caught at the very next ``cache``, naming the row index it kept."""
+    from kvproof.impl.managers.mamba import MambaManager
+    from kvproof.spec import contracts
+
+    advance = MambaManager._advance
+
+    def leaky_advance(self, rid, table, index, new_index):
+        advance(self, rid, table, index, new_index)
+        self._superseded.pop(rid, None)  # the bug: the old state is never released
+
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
+    r = req("r", list(range(12)), kv)
+    with contracts.slow_checks(False):
+        run_chunks(kv, r, [4])
+        monkeypatch.setattr(MambaManager, "_advance", leaky_advance)
+        with pytest.raises(InvariantViolation, match=r"INV-MAMBA-REAL-BLOCKS: request 'r', group 1: 2 real state "
+                                                     r"blocks between steps > 1 \(kept below the state at row index 1: \[0\]\)"):
+            run_chunks(kv, r, [4])
+
+
 def test_hit_bound_fires_on_a_finder_that_overshoots(monkeypatch):
     kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
     from kvproof.impl.coordinator import Hit

@@ -140,6 +140,7 @@ _INSTALLED = textwrap.dedent("""
     report = {"installed": plugin.installed(), "idempotent": Scheduler.__init__ is wrapped_init,
               "scheduler": hasattr(Scheduler.__init__, "__wrapped__"),
               "tables": hasattr(block_table.MultiGroupBlockTable.append_row, "__wrapped__"),
+              "slots": hasattr(block_table.MultiGroupBlockTable.compute_slot_mapping, "__wrapped__"),
               "copies": hasattr(utils.copy_kv_cache_blocks_inplace, "__wrapped__")}
     from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
@@ -182,7 +183,7 @@ def test_the_plugin_installs_every_check_through_vllms_plugin_loader():
     yet written is reported inside the in-process engine."""
     report = _run_fresh(_INSTALLED, KVPROOF_CONTRACTS="cheap")
     assert report["installed"] and report["idempotent"] and report["scheduler"]
-    assert report["tables"] and report["copies"] and report["checker"]
+    assert report["tables"] and report["slots"] and report["copies"] and report["checker"]
     assert report["violation"].startswith("INV-COW-SOURCE-READY: step 4, request 'r1-")
 
 
@@ -191,6 +192,7 @@ def test_without_the_switch_the_installed_plugin_changes_nothing():
     the copy batch it is handed (the executor always checks: that is its job)."""
     report = _run_fresh(_INSTALLED)
     assert not report["installed"] and not report["scheduler"] and not report["tables"] and not report["checker"]
+    assert not report["slots"]
     assert report["violation"].startswith("INV-COW-SOURCE-READY: step 4: copy 5 -> 7 writes block 7, which another copy")
 
 
