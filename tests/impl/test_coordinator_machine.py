@@ -13,7 +13,12 @@ After every step:
 - every admitted request with a hit inside a group's block got exactly one copy into that
   row position; every allocation took exactly ``blocks_needed`` blocks from the free queue;
 - liveness: a request is refused (CapacityError) only if it cannot run alone from an empty
-  pool either (no hit, same budget).
+  pool either (no hit, same budget);
+- INV-KEYS-EVERY-HASH, stated from the layout: with every-hash attention keys each running
+  request's block holding a hash boundary it computed since its hit carries that key.
+
+A second machine runs the same rules on one full-attention group hashed finer than its block
+(attention alone), where hits land at boundaries no chunk ended at.
 
 The run counts what the lookups and steps reached (no hit, block-aligned, partial, junction,
 copy-on-write, eviction, preemption); a fixed-seed (``ci``) run fails below set minimums.
