@@ -86,7 +86,7 @@ def plan_to_text(result: PlanResult) -> str:
         f"workload: {req.workload.description}; {req.workload.prompt_tokens:,} prompt tokens",
         f"layout: {', '.join(g.group.label for g in base.groups)}; max-model-len {base.config.max_model_len:,}; "
         f"retention {'none' if base.config.retention_interval is None else base.config.retention_interval}; "
-        f"attention keys {base.config.attention_keys}; budget {req.options.max_num_batched_tokens:,} tokens/step; engine kvproof"
+        f"budget {req.options.max_num_batched_tokens:,} tokens/step; engine kvproof"
         + (" and vLLM 0.33.0" if result.vllm_reports else "")
         + (" with the content oracle" if req.options.oracle else ""),
     ]
