@@ -28,7 +28,7 @@ from workloads import add_workload_arguments, workload_from_args  # noqa: E402
 
 from kvproof.impl.kv_cache_manager import KVCacheManager  # noqa: E402
 from kvproof.spec.eviction import LRU, POLICIES  # noqa: E402
-from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
+from kvproof.spec.layout import ATTENTION_KEYS, LayoutConfig, resolve_layout  # noqa: E402
 
 
 class CountingManager(CountingMixin, KVCacheManager):
@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=3, help="runs per side, interleaved; the best is reported")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM baseline even if vLLM is installed")
     p.add_argument("--eviction", nargs="+", choices=POLICIES, default=[LRU], help="kvproof's eviction policies (default lru)")
+    p.add_argument("--attention-keys", choices=ATTENTION_KEYS, default=ATTENTION_KEYS[0],
+                   help="kvproof's attention keying rule (the layout default first)")
     args = p.parse_args(argv)
     groups, trace = workload_from_args(args)
     baseline = None
@@ -67,13 +69,15 @@ def main(argv=None) -> int:
         except ImportError as e:
             print(f"# vLLM baseline unavailable ({e}); kvproof only", file=sys.stderr)
     print(f"# {args.requests} requests, {args.prefixes} shared prefixes of {args.prefix_len} tokens, "
-          f"groups {', '.join(g.label for g in groups)}, {args.num_blocks} blocks, budget {args.budget}")
+          f"groups {', '.join(g.label for g in groups)}, {args.num_blocks} blocks, budget {args.budget}, "
+          f"attention keys {args.attention_keys}")
     header = f"{'dcp':>3}  {'eviction':>8}  {'ops':>8}  {'kvproof ops/s':>13}  {'us/lookup':>9}  {'hit rate':>8}"
     if baseline:
         header += f"  {'vLLM ops/s':>10}  {'vLLM us/lookup':>14}  {'speedup':>7}"
     print(header)
     for dcp in args.dcp:
-        layouts = {e: resolve_layout(LayoutConfig(groups, dcp=dcp, max_model_len=1 << 20, eviction=e)) for e in args.eviction}
+        layouts = {e: resolve_layout(LayoutConfig(groups, dcp=dcp, max_model_len=1 << 20, eviction=e,
+                                                  attention_keys=args.attention_keys)) for e in args.eviction}
         ours_runs: dict[str, list] = {e: [] for e in args.eviction}
         theirs_runs = []
         for _ in range(args.repeat):  # interleaved, so every side sees the same machine load

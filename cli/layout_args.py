@@ -10,7 +10,7 @@ from kvproof.cli.presets import DEFAULT_PRESET, PRESETS
 from kvproof.cli.values import TOKEN_LIMIT, any_decimal, check_at_most, parse_decimal, speculative_count, token_count
 from kvproof.spec.eviction import LRU, POLICIES
 from kvproof.spec.groups import KIND_NAMES, MAMBA_MODE_NAMES, CacheGroup, GroupKind, parse_kind, parse_mamba_mode
-from kvproof.spec.layout import LayoutConfig
+from kvproof.spec.layout import ATTENTION_KEYS, LayoutConfig
 
 
 def parse_group(text: str) -> CacheGroup:
@@ -80,6 +80,11 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> list[argparse.Actio
         help="which evictable cached block the pool reuses first: 'lru' (default, vLLM's) or 'compute' "
         "(the least prefill compute lost per byte, aged by recency; docs/coordinator.md)")
     add(
+        "--attention-keys", choices=ATTENTION_KEYS, default=ATTENTION_KEYS[0],
+        help="which hash boundaries inside a full-attention / MLA block get a prefix-cache key: every-hash "
+        "(default) every one the forward pass wrote; chunk-ends only each step's last one (vLLM's rule)",
+    )
+    add(
         "--shared-prefix-checkpoint", action="store_true",
         help="end a prefill chunk exactly at a shared-prefix junction (default: at the Mamba block below it)",
     )
@@ -138,4 +143,5 @@ def layout_config_from_args(args: argparse.Namespace, allow_partial_hash_hits: b
         retention_interval=parse_retention(args.retention_interval),
         shared_prefix_checkpoint=args.shared_prefix_checkpoint,
         eviction=args.eviction,
+        attention_keys=args.attention_keys,
     )

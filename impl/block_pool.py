@@ -573,6 +573,51 @@ class BlockPool:
                         self._link_last(b)
         return dropped
 
+    @slow_tier
+    @icontract.snapshot(lambda self, block: self.keys_of(block) if isinstance(block, int) and 0 <= block < self._num_blocks else None, name="keys", enabled=True)
+    @icontract.ensure(
+        lambda OLD, self, block, entries: not entries
+        or (set(OLD.keys) <= set(self.keys_of(block)) and self.keys_of(block)[0] == tuple(entries[-1])),
+        "INV-POOL-PREFIX-KEYS: grow_keys keeps every key the block had and ends on its last entry",
+        enabled=True,
+    )
+    @icontract.ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after grow_keys", enabled=True)
+    def grow_keys(self, block: int, entries: Sequence[tuple[Key, int]]) -> None:
+        """Mutates unless it raises. Append-only growth by several hash boundaries at once
+        (attention KV written in one step): the same as ``cache_partial(block, key, n,
+        keep_prefixes=True)`` for each ``(key, n)`` in order -- the last becomes the primary, the
+        block's earlier keys prefix keys -- in one call. Each length must exceed the one before
+        and what the block covers (a covered boundary is the caller's bug here:
+        INV-POOL-NO-STALE-PARTIAL), and a key held elsewhere must name the same length
+        (INV-POOL-KEY-LENGTH); else ValueError and no change."""
+        if not entries:
+            return
+        if not (0 < block < self._num_blocks and self._ref[block] > 0 and entries[0][1] > 0):
+            self._reject_uncacheable(block, entries[0][1], "grow_keys")
+        covered, holders_map = self._ntok[block], self._holders
+        for key, n in entries:  # validate everything first: a failed call changes nothing
+            if n <= covered:
+                raise ValueError(f"INV-POOL-NO-STALE-PARTIAL: grow_keys of block {block} at {n} tokens, but it already covers {covered}")
+            found = holders_map.get(key)
+            if found is not None and self._length_of(key, found[0]) != n:
+                self._reject_other_length(key, found[0], n, "grow_keys")
+            covered = n
+        if len(entries) > 1 and len({k for k, _ in entries}) < len(entries):
+            raise ValueError(f"INV-POOL-KEY-LENGTH: grow_keys of block {block}: one key given for two lengths")
+        if self._key[block] is not None:
+            self._demote(block)
+        if len(entries) > 1:
+            kept = self._prefixes.setdefault(block, [])
+            for key, n in entries[:-1]:
+                kept.append((key, n))
+                found = holders_map.get(key)
+                if found is None:
+                    holders_map[key] = [block]
+                else:
+                    found.append(block)
+        key, n = entries[-1]
+        self._attach(block, key, n, holders_map.get(key))
+
     @icontract.ensure(
         lambda self, result: result == (self._num_free == self._num_blocks - 1),
         "INV-POOL-RESET-IDLE: reset succeeds exactly when no real block is in use",

@@ -17,6 +17,9 @@ from kvproof.spec.groups import GroupKind
 
 logger = logging.getLogger("kvproof")
 
+#: Kinds whose manager keys hash boundaries inside a block (``LayoutConfig.attention_keys``).
+_APPEND_ONLY = (GroupKind.FULL_ATTENTION, GroupKind.MLA)
+
 
 @dataclasses.dataclass(frozen=True)
 class Hit:
@@ -55,10 +58,11 @@ class HybridCoordinator:
             scheduler_block_size=layout.scheduler_block_size,
             exact_junction=layout.config.shared_prefix_checkpoint,
         )
+        keys = dict(attention_keys=layout.config.attention_keys)
         self.managers: tuple[SingleTypeManager, ...] = tuple(
             MANAGER_FOR_KIND[g.group.kind](
                 g.index, g, layout.hash_block_size, self.alignment, pool, self.ledger,
-                use_eagle=use_eagle, **(retention if g.group.kind is GroupKind.MAMBA else {}),
+                use_eagle=use_eagle, **(retention if g.group.kind is GroupKind.MAMBA else keys if g.group.kind in _APPEND_ONLY else {}),
             )
             for g in layout.groups
         )

@@ -22,7 +22,7 @@ from typing import Iterator, Optional
 from kvproof.impl.block_pool import BlockPool
 from kvproof.impl.coordinator import Hit, HybridCoordinator
 from kvproof.impl.eviction import EvictionValuer
-from kvproof.impl.managers import MambaManager
+from kvproof.impl.managers import FullAttentionManager, MambaManager
 from kvproof.impl.request import Request
 from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.eviction import COMPUTE
@@ -187,8 +187,12 @@ class KVCacheManager:
             m.check_real_blocks(request)
 
     def _check(self) -> bool:
-        """Whole-state check (slow tier): pool conservation, and every table entry is held."""
+        """Whole-state check (slow tier): pool conservation, every table entry is held, and the
+        attention blocks' keys stay on their hash grid (INV-KEYS-PER-BLOCK)."""
         self.pool._check()
+        for m in self.managers:
+            if isinstance(m, FullAttentionManager):
+                m.check_keys()
         holders: dict[int, int] = {}
         for m in self.managers:
             for table in m.tables.values():

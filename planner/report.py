@@ -54,6 +54,7 @@ def plan_to_json(result: PlanResult) -> dict:
             "groups": [g.group.label for g in base.groups],
             "max_model_len": base.config.max_model_len,
             "retention_interval": base.config.retention_interval,
+            "attention_keys": base.config.attention_keys,
             "max_num_batched_tokens": req.options.max_num_batched_tokens,
             "max_num_seqs": req.options.max_num_seqs,
             "vllm_groups_per_group": list(result.vllm_groups),

@@ -458,6 +458,21 @@ def cache_partial(
     return _attach(s, block, key, num_tokens, keep_prefixes), True
 
 
+def grow_keys(s: PoolState, block: int, entries: Sequence[tuple[Key, int]]) -> PoolState:
+    """Append-only growth by several boundaries in one call (attention KV written in one step):
+    ``cache_partial(..., keep_prefixes=True)`` for each ``(key, n)`` in order, every one newly
+    attached. A boundary the block already covers is the caller's bug here (ValueError naming
+    INV-POOL-NO-STALE-PARTIAL), as is any input ``cache_partial`` rejects; a failed call leaves
+    ``s`` as it was (pure)."""
+    out = s
+    for key, n in entries:
+        if _in_range(out, block) and out.ntok[block] >= n:
+            raise ValueError(f"INV-POOL-NO-STALE-PARTIAL: grow_keys of block {block} at {n} tokens, "
+                             f"but it already covers {out.ntok[block]}")
+        out, attached = cache_partial(out, block, key, n, False, True)
+    return out
+
+
 @icontract.require(
     lambda s, blocks: all(_is_real(s, b) for b in blocks),
     error=lambda s, blocks: ValueError(f"evict: block ids {list(blocks)} must lie in [1, {s.num_blocks})"),

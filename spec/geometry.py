@@ -92,7 +92,10 @@ def _hash_divides_cacheable(groups: tuple[CacheGroup, ...], dcp: int, result: in
 def hash_block_size(groups: tuple[CacheGroup, ...], dcp: int, explicit: int | None = None) -> int:
     """H: the granularity of the chained request hashes.
 
-    - One group, or no prefix-cacheable group: H = S (a finer hash buys nothing).
+    - One group, or no prefix-cacheable group: H = S (a finer hash buys nothing) -- except
+      that one full-attention / MLA group takes an ``explicit`` H dividing its block: its KV is
+      append-only, so hits can land inside a block (kvproof's extension; vLLM hashes a lone
+      group at its block size, so DCP, which multiplies the block, coarsens its hits).
     - Otherwise ``explicit`` if given (it must divide every prefix-cacheable B_g), else the
       gcd of the prefix-cacheable B_g.
 
@@ -109,6 +112,8 @@ def hash_block_size(groups: tuple[CacheGroup, ...], dcp: int, explicit: int | No
         coarse_reason = "a single cache group hashes at its own block size"
     elif not _cacheable_sizes(groups, dcp):
         coarse_reason = "no group is prefix-cacheable"
+    if coarse_reason is not None and explicit is not None and _lone_append_only(groups):
+        coarse_reason = None  # a finer explicit H is validated below like any other
     if coarse_reason is not None:
         if explicit is not None and explicit != s:
             raise ValueError(
@@ -145,6 +150,12 @@ class PartialHitDecision:
     enabled: bool
     reason: str
     warning: str | None = None
+
+
+def _lone_append_only(groups: tuple[CacheGroup, ...]) -> bool:
+    """One full-attention / MLA group: append-only KV, so any hash boundary inside a block is
+    a valid hit end (the block holding a longer prefix holds every shorter one)."""
+    return len(groups) == 1 and groups[0].kind in (GroupKind.FULL_ATTENTION, GroupKind.MLA)
 
 
 def mamba_allows_partial_hits(group: CacheGroup, dcp: int, hash_size: int) -> bool:
@@ -188,16 +199,32 @@ def _hash_boundary_inside_a_mamba_block(groups: tuple[CacheGroup, ...], dcp: int
     return False
 
 
+def _hash_boundary_inside_the_only_attention_block(groups: tuple[CacheGroup, ...], dcp: int, hash_size: int) -> bool:
+    """The layout is one full-attention / MLA group and a multiple of H lies strictly inside one
+    of its blocks (between two positions the placement puts in the same block)."""
+    if len(groups) != 1 or groups[0].kind not in (GroupKind.FULL_ATTENTION, GroupKind.MLA):
+        return False
+    g = groups[0]
+    return any(
+        table_index(n, g.block_size, dcp, g.is_sharded) == table_index(n - 1, g.block_size, dcp, g.is_sharded)
+        for n in range(hash_size, g.block_size * dcp + 1, hash_size)
+    )
+
+
 def _partial_rule_holds(groups, dcp, hash_size, allow, result) -> bool:
     """INV-GEOM-PARTIAL-RULE from first principles: hits at hash granularity are on only if asked
     for, only if every prefix-cacheable group can hand back a prefix ending at every multiple of
-    H, and only if a Mamba group gains from them."""
+    H, and only if a group gains from them: a Mamba group, or a lone attention group whose
+    blocks a hash boundary falls inside."""
     if not result.enabled:
         return True
     return (
         allow
         and all(_restores_every_hash_boundary(g, dcp, hash_size) for g in groups if g.prefix_cacheable)
-        and _hash_boundary_inside_a_mamba_block(groups, dcp, hash_size)
+        and (
+            _hash_boundary_inside_a_mamba_block(groups, dcp, hash_size)
+            or _hash_boundary_inside_the_only_attention_block(groups, dcp, hash_size)
+        )
     )
 
 
@@ -205,7 +232,8 @@ def _partial_rule_holds(groups, dcp, hash_size, allow, result) -> bool:
     lambda groups, dcp, hash_size, allow, result: _partial_rule_holds(groups, dcp, hash_size, allow, result),
     "INV-GEOM-PARTIAL-RULE: partial hits only when asked for, when every prefix-cacheable group can "
     "restore a prefix ending at any multiple of H, and when an align Mamba block holds a hash "
-    "boundary strictly inside it (TP) or is a whole number of hash blocks (DCP)",
+    "boundary strictly inside it (TP) or is a whole number of hash blocks (DCP), or a hash "
+    "boundary falls inside a block of the only group, an attention one",
     enabled=True,
 )
 @icontract.ensure(
@@ -221,6 +249,10 @@ def partial_hash_hits(
     """Decide whether prefix-cache hits may land at hash (H) granularity."""
     if not allow:
         return PartialHitDecision(False, "partial hash hits turned off by the caller")
+    if _lone_append_only(groups) and hash_size < effective_block_size(groups[0], dcp):
+        return PartialHitDecision(
+            True, f"one append-only attention group hashed finer than its block: hits land on multiples of the hash block size {hash_size}"
+        )
     if not any(mamba_allows_partial_hits(g, dcp, hash_size) for g in groups):
         cmp = ">" if dcp == 1 else ">="
         return PartialHitDecision(

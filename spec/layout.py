@@ -25,6 +25,12 @@ from kvproof.spec.groups import CacheGroup, GroupKind
 #: that block tables stay addressable with int32 entries.
 MAX_MODEL_LEN_LIMIT = 1 << 30
 
+#: Where an attention (full attention / MLA) block gets prefix-cache keys, for
+#: ``LayoutConfig.attention_keys``: ``every-hash`` at every hash boundary the forward pass wrote
+#: (the managers' keying rule, docs/spec.md), ``chunk-ends`` only at block ends and each step's
+#: last hash boundary (vLLM 0.33's rule, kept for comparison).
+ATTENTION_KEYS = ("every-hash", "chunk-ends")
+
 
 @dataclasses.dataclass(frozen=True)
 class LayoutConfig:
@@ -47,6 +53,10 @@ class LayoutConfig:
     #: Which evictable cached block the pool reuses first (``spec.eviction``): ``lru`` (vLLM's)
     #: or ``compute`` (the least prefill compute lost, aged GreedyDual-style).
     eviction: str = "lru"
+    #: Which hash boundaries inside an attention block get a key (one of ``ATTENTION_KEYS``).
+    #: Attention KV is append-only, so a key at every boundary only ever adds hits: a request
+    #: diverging inside a block reuses up to its last common hash unit, not its last chunk end.
+    attention_keys: str = "every-hash"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +107,8 @@ def validate_config(config: LayoutConfig) -> None:
     _positive_int("max_model_len", config.max_model_len, upper=MAX_MODEL_LEN_LIMIT)
     _positive_int("interleave", config.interleave)
     parse_policy(config.eviction)
+    if config.attention_keys not in ATTENTION_KEYS:
+        raise ValueError(f"attention_keys {config.attention_keys!r} must be one of {', '.join(ATTENTION_KEYS)}")
     for i, g in enumerate(config.groups):
         if g.kind is GroupKind.MAMBA and g.dcp_sharded:
             raise ValueError(

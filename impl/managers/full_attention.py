@@ -6,6 +6,7 @@ from __future__ import annotations
 from kvproof.impl.hashing import key_at
 from kvproof.impl.managers.base import SingleTypeManager
 from kvproof.impl.request import Request
+from kvproof.spec.contracts import InvariantViolation
 
 
 class FullAttentionManager(SingleTypeManager):
@@ -13,18 +14,22 @@ class FullAttentionManager(SingleTypeManager):
     so a hit may end inside a block (at a hash boundary) by copying that block (copy-on-write:
     the owner keeps appending to it).
 
-    Caching: with partial hits on, a partial key at each step's last computed hash boundary,
-    and the full-block key once the block is complete. The KV is append-only, so the block
-    keeps its earlier keys as prefix keys (the pool's ``keep_prefixes``): a request that
-    diverges inside the block -- after the prompt's tail, or after a chunk end -- still finds
-    the longest prefix it shares. They leave with the block (eviction drops them all).
+    Caching: the full-block key once the block is complete and, with partial hits on, keys
+    inside the block -- at every hash boundary the forward pass wrote (``attention_keys``
+    ``every-hash``, INV-KEYS-EVERY-HASH), or only at each step's last computed hash boundary
+    (``chunk-ends``, vLLM's rule). The KV is append-only, so the block keeps its earlier keys as
+    prefix keys (the pool's ``keep_prefixes``): a request that diverges inside the block still
+    finds the longest prefix it shares that has a key. They leave with the block (eviction
+    drops them all).
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, attention_keys: str = "every-hash", **kwargs) -> None:
         super().__init__(*args, **kwargs)
         b, h, a = self.block_size, self.hash_block_size, self.alignment
         #: Probe partial entries only if hits may land inside a block.
         self._probe_partial = a < b
+        #: Key every hash boundary written (else only chunk ends); moot without partial hits.
+        self._every_hash = self._probe_partial and attention_keys == "every-hash"
         #: EAGLE: the draft recomputes one hash unit (one block when hits are block-aligned).
         self._eagle_unit = (h if self._probe_partial else b) if self.use_eagle else 0
         # request id -> (full blocks keyed, partial boundary keyed)
@@ -64,6 +69,18 @@ class FullAttentionManager(SingleTypeManager):
         hit -= hit % a
         return hit, blocks[: -(-hit // b)]
 
+    def keyed_lengths(self, request: Request, start: int, end: int):
+        """Every length on the hit grid with every-hash keys (and with hits on whole blocks);
+        with chunk-end keys only the block ends and the chunk's last hash boundary. No state
+        change."""
+        grid = super().keyed_lengths(request, start, end)
+        if self._every_hash or not self._probe_partial:
+            return grid
+        b, h = self.block_size, self.hash_block_size
+        last = min(end, request.hashed_len)
+        last -= last % h
+        return [n for n in grid if n % b == 0 or n == last]
+
     # --- allocation -----------------------------------------------------------------------------
 
     def blocks_needed(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> int:
@@ -88,7 +105,9 @@ class FullAttentionManager(SingleTypeManager):
                 self.ledger.retained.append(src)  # our hit reference, dropped after the copy ran
                 table[-1] = dst
             self.tables[rid] = table
-            self._keyed[rid] = (hit_len // self.block_size, 0)
+            # Every-hash keying starts after the hit: the boundaries below it already have keys
+            # (on the hit's blocks), and the copy-on-write block's would only duplicate them.
+            self._keyed[rid] = (hit_len // self.block_size, hit_len if self._every_hash else 0)
             self._grow(table, total_tokens)
             return list(table)
         return self._grow(table, total_tokens)
@@ -103,16 +122,59 @@ class FullAttentionManager(SingleTypeManager):
         limit = min(num_computed, len(hashes) * h)
         full_done, partial_done = self._keyed[rid]
         full = limit // b
-        if full == full_done and (not self._probe_partial or limit - limit % h <= partial_done):
-            return  # nothing new to key (most decode steps)
-        self._key_full_blocks(request, table, full_done, full, keep_prefixes=True)
         boundary = limit - limit % h
+        if full == full_done and (not self._probe_partial or boundary <= partial_done):
+            return  # nothing new to key (most decode steps)
+        if self._every_hash:
+            self._key_every_hash(table, hashes, partial_done, boundary)
+            self._keyed[rid] = (max(full, full_done), boundary)
+            return
+        self._key_full_blocks(request, table, full_done, full, keep_prefixes=True)
         if self._probe_partial and boundary % b and boundary > partial_done:
             blk = table[boundary // b]
             if self.pool.cache_partial(blk, key_at(hashes, boundary, h, self.group_id), boundary, keep_prefixes=True):
                 self.ledger.keyed.add(blk)
             partial_done = boundary
         self._keyed[rid] = (max(full, full_done), partial_done)
+
+    def _key_every_hash(self, table: list[int], hashes, done: int, boundary: int) -> None:
+        """Mutates. Key every hash boundary in ``(done, boundary]`` on the block holding it, one
+        pool call per block (``grow_keys``): the longest becomes the block's primary (the
+        full-block key at a block end), the shorter ones and the block's earlier keys prefix
+        keys."""
+        b, h, gid = self.block_size, self.hash_block_size, self.group_id
+        grow, covered, keyed = self.pool.grow_keys, self.pool.num_tokens_of, self.ledger.keyed
+        n = done + h
+        while n <= boundary:
+            j = (n - 1) // b
+            last = min(boundary, (j + 1) * b)
+            blk = table[j]
+            if covered(blk) >= n:
+                # The block already covers this boundary under another key: the manager is
+                # keying a block this request does not write (its bookkeeping is wrong).
+                raise InvariantViolation(
+                    "INV-KEYS-EVERY-HASH",
+                    f"group {gid}: boundary {n} on block {blk} (row index {j}), which already covers "
+                    f"{covered(blk)} tokens under another key",
+                )
+            grow(blk, [((hashes[m // h - 1], gid), m) for m in range(n, last + 1, h)])  # key_at's keys
+            keyed.add(blk)
+            n = last + h
+
+    def check_keys(self) -> None:
+        """INV-KEYS-PER-BLOCK (slow tier, O(keys of the tables' blocks)): every key of row block
+        j names a multiple of H in ``(j*B, (j+1)*B]``, so a block carries at most ``B / H`` keys
+        (``block_size * dcp / H`` for a sharded group). No state change."""
+        b, h, keys_of = self.block_size, self.hash_block_size, self.pool.keys_of
+        for rid, table in self.tables.items():
+            for j, blk in enumerate(table):
+                lengths = [n for _, n in keys_of(blk)]
+                if len(lengths) > b // h or any(n % h or not j * b < n <= (j + 1) * b for n in lengths):
+                    raise InvariantViolation(
+                        "INV-KEYS-PER-BLOCK",
+                        f"group {self.group_id}, request {rid!r}: block {blk} at row index {j} has keys of lengths "
+                        f"{lengths}; expected at most {b // h} multiples of H={h} in ({j * b}, {(j + 1) * b}]",
+                    )
 
     def free(self, request: Request) -> None:
         self._keyed.pop(request.request_id, None)

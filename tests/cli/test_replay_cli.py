@@ -97,3 +97,29 @@ def test_missing_file_and_tiny_pool_are_bad_input(capsys, tmp_path, k3_trace):
     assert "cannot read trace" in capsys.readouterr().err
     assert main(["replay", k3_trace, *K3, "--num-blocks", "2"]) == 2
     assert "expected num_blocks >= 4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("keys, expected", [("every-hash", 192), ("chunk-ends", 0)])
+def test_attention_keys_flag(capsys, tmp_path, keys, expected):
+    """MLA 64 under DCP 4 (256-token blocks) hashed every 64 tokens: a producer computed in one
+    chunk, then a consumer sharing 200 tokens. Every-hash keys give it 192 (3 hash units inside
+    the block); chunk-end keys only the producer's chunk end (256), which it does not share."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        json.dumps({"id": "p", "prompt": SHARED + [7], "output": [1], "arrival": 0}) + "\n"
+        + json.dumps({"id": "c", "prompt": SHARED[:200] + [9] * 10, "output": [3], "arrival": 10}) + "\n"
+    )
+    code, data, _ = replay_json(capsys, str(path), "--group", "mla:64", "--dcp", "4", "--hash-block-size", "64",
+                                "--attention-keys", keys)
+    assert code == 0 and data["violations"] == []
+    assert {r["id"]: r["num_cached_tokens"] for r in data["requests"]} == {"p": 0, "c": expected}
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--attention-keys", "sometimes"], "argument --attention-keys: invalid choice: 'sometimes'"),
+    (["--attention-keys", "every-hash", "--attention-keys", "chunk-ends"], "--attention-keys: given twice"),
+])
+def test_bad_attention_keys_exit_2_with_one_line(capsys, k3_trace, argv, fragment):
+    code = main(["replay", k3_trace, *K3, *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1

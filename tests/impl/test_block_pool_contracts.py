@@ -93,6 +93,12 @@ SEEDED_BUGS = {
         lambda pool: (pool.allocate(1), pool.cache_partial(1, ("k2", 0), 2, keep_prefixes=True),
                       pool.cache_partial(1, ("k4", 0), 4, keep_prefixes=True)),
     ),
+    "INV-POOL-PREFIX-KEYS: grow_keys keeps every key the block had": (
+        ("        if self._key[block] is not None:\n            self._demote(block)\n        if len(entries) > 1:\n",
+         "        if self._key[block] is not None:\n            self._drop_key(block)\n        if len(entries) > 1:\n"),
+        lambda pool: (pool.allocate(1), pool.cache_partial(1, ("k2", 0), 2, keep_prefixes=True),
+                      pool.grow_keys(1, [(("k4", 0), 4), (("k6", 0), 6)])),
+    ),
     "INV-POOL-RESET-IDLE": (
         ("        if self._num_free != self._num_blocks - 1:\n            return False\n", ""),
         lambda pool: (pool.allocate(1), pool.reset()),
@@ -195,6 +201,10 @@ BAD_INPUT = {
     "INV-POOL-HELD-TO-CACHE": lambda pool: pool.cache_full(3, ("k", 0), 2),
     "INV-POOL-KEY-LENGTH": lambda pool: pool.cache_full(2, ("k", 0), 8),
     "INV-POOL-NO-STALE-PARTIAL": lambda pool: pool.cache_full(1, ("short", 0), 2),
+    # grow_keys: a covered boundary, and a key of another length, refused before any change
+    "INV-POOL-NO-STALE-PARTIAL (grow_keys)": lambda pool: pool.grow_keys(2, [(("a", 0), 2), (("b", 0), 2)]),
+    "INV-POOL-KEY-LENGTH (grow_keys)": lambda pool: pool.grow_keys(2, [(("a", 0), 2), (("k", 0), 6)]),
+    "INV-POOL-HELD-TO-CACHE (grow_keys)": lambda pool: pool.grow_keys(3, [(("a", 0), 2)]),
 }
 
 
@@ -204,6 +214,7 @@ def test_bad_input_names_the_invariant_and_changes_nothing(inv_id):
     pool.allocate(2)
     pool.cache_full(1, ("k", 0), 4)
     before = (list(pool._ref), list(pool._key), list(pool._ntok), pool.free_order())
-    with pytest.raises(ValueError, match=rf"^{inv_id}: "):
+    with pytest.raises(ValueError, match=rf"^{inv_id.split()[0]}: "):
         BAD_INPUT[inv_id](pool)
     assert (list(pool._ref), list(pool._key), list(pool._ntok), pool.free_order()) == before
+    assert not pool._prefixes and pool.num_cached_keys() == 1

@@ -73,10 +73,13 @@ class CacheKey(NamedTuple):
 class Request:
     """A running request of the minimal manager: its prefix, group, block size and blocks."""
 
-    def __init__(self, prefix: Prefix, group: int, block_tokens: int, blocks: list[int], keep: bool) -> None:
+    def __init__(self, prefix: Prefix, group: int, block_tokens: int, blocks: list[int], keep: bool,
+                 every_hash: bool = False) -> None:
         self.prefix, self.group, self.block_tokens, self.blocks = prefix, group, block_tokens, blocks
         #: Append-only contents (attention): growing a block keeps its older keys as prefix keys.
         self.keep = keep
+        #: With keep: key every hash boundary written, in one ``grow_keys`` call per block.
+        self.every_hash = keep and every_hash
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -257,6 +260,29 @@ class PoolMachine(RuleBasedStateMachine):
     def cache_any(self, block, ck, kind):
         self._cache(block, ck, kind)
 
+    @rule(block=st.one_of(blocks, st.integers(-1, 9)), cks=st.lists(keys, max_size=3))
+    def grow_keys_any(self, block, cks):
+        """``grow_keys`` with any block and keys: refused alike on both sides (stale or covered
+        boundaries, lengths out of order, a key of another length); on success the keys name a
+        chain of prefixes continuing the block's content, as an append-only writer's do."""
+        if self._owned(block):
+            return
+        entries = [(ck.key, ck.num_tokens) for ck in cks]
+        got = _outcome(lambda: self.pool.grow_keys(block, entries))
+        expected = _outcome(lambda: spec.grow_keys(self.model, block, entries))
+        assert got[0] == expected[0], (block, entries, got, expected)
+        chain = all(self._continues(block, ck.names) for ck in cks) and all(
+            b.names[::2] == a.names[::2] and b.names[1][: len(a.names[1])] == a.names[1] for a, b in zip(cks, cks[1:]))
+        event(f"grow_keys any: {got[0]}{'' if chain or got[0] != 'ok' else ' (not a chain: undone)'}")
+        if got[0] == "ok" and entries:
+            if not chain:  # keys naming contents the block does not hold: out of this machine's scope
+                self.pool.evict([block])
+                self.model = spec.evict(expected[1], [block])
+                self.content[block] = None
+                return
+            self.model = expected[1]
+            self.content[block] = cks[-1].names
+
     @rule(evicted=st.lists(st.one_of(blocks, st.integers(-1, 9)), max_size=3))
     def evict(self, evicted):
         if self._owned(*evicted):
@@ -334,11 +360,28 @@ class PoolMachine(RuleBasedStateMachine):
             end = min((j + 1) * bs, n_tok)
             if end <= max(old_tokens, j * bs):
                 continue
+            if req.every_hash:
+                self._grow_both(req, j, max(old_tokens, j * bs), end)
+                continue
             key = key_at(p.hashes, end, H, g)
             named = (p.salt, p.tokens[:end], g)
             self.keys_seen[key] = named
             if self._cache_both(req.blocks[j], key, end, full=end == (j + 1) * bs, keep=req.keep):
                 self.content[req.blocks[j]] = named
+
+    def _grow_both(self, req: "Request", j: int, start: int, end: int) -> None:
+        """Key every hash boundary in ``(start, end]`` of the request's block j in one call."""
+        p, g, block = req.prefix, req.group, req.blocks[j]
+        entries = []
+        for n in range(start - start % H + H, end + 1, H):
+            entries.append((key_at(p.hashes, n, H, g), n))
+            self.keys_seen[entries[-1][0]] = (p.salt, p.tokens[:n], g)
+        got = _outcome(lambda: self.pool.grow_keys(block, entries))
+        expected = _outcome(lambda: spec.grow_keys(self.model, block, entries))
+        assert got[0] == expected[0] == "ok", (block, entries, got, expected)
+        self.model = expected[1]
+        self.content[block] = (p.salt, p.tokens[:end], g)
+        event(f"grow_keys: {len(entries)} keys")
 
     def _forget_reference(self, block: int) -> None:
         """A reference was dropped outside a request's lifecycle: take it from the loose holdings,
@@ -352,8 +395,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.held.extend(req.blocks)
 
     @rule(prefix=prefixes, group=st.sampled_from(GROUPS), block_tokens=st.sampled_from([H, 2 * H, 4 * H]),
-          keep=st.booleans())
-    def prefill(self, prefix, group, block_tokens, keep):
+          keep=st.booleans(), every_hash=st.booleans())
+    def prefill(self, prefix, group, block_tokens, keep, every_hash):
         """Admit a request: touch its longest chain of full-block hits, allocate the rest, cache."""
         n_tok, bs = len(prefix.tokens), block_tokens
         hits = []
@@ -383,7 +426,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert tuple(got) == taken
         for b in got:
             self.content[b] = None
-        req = Request(prefix, group, bs, hits + got, keep)
+        req = Request(prefix, group, bs, hits + got, keep, every_hash)
         self._fill(req, len(hits), len(hits) * bs)
         self.requests.append(req)
 

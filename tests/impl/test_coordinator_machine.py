@@ -13,7 +13,12 @@ After every step:
 - every admitted request with a hit inside a group's block got exactly one copy into that
   row position; every allocation took exactly ``blocks_needed`` blocks from the free queue;
 - liveness: a request is refused (CapacityError) only if it cannot run alone from an empty
-  pool either (no hit, same budget).
+  pool either (no hit, same budget);
+- INV-KEYS-EVERY-HASH, stated from the layout: with every-hash attention keys each running
+  request's block holding a hash boundary it computed since its hit carries that key.
+
+A second machine runs the same rules on one full-attention group hashed finer than its block
+(attention alone), where hits land at boundaries no chunk ended at.
 
 The run counts what the lookups and steps reached (no hit, block-aligned, partial, junction,
 copy-on-write, eviction, preemption); a fixed-seed (``ci``) run fails below set minimums.
@@ -51,10 +56,8 @@ from ..conftest import PROFILE, Reach
 
 #: What the machines of one run reached (the test case checks it after its last example).
 REACH = Reach()
-
-
-def _count(label: str) -> None:
-    REACH(label)
+#: The same for the attention-alone machine.
+REACH_ALONE = Reach()
 
 
 def spec_views(layout: Layout, request: Request, pool, eagle: bool) -> tuple[GroupView, ...]:
@@ -94,6 +97,7 @@ def runs_alone(layout: Layout, request: Request, num_blocks: int, budget: int, e
 
 class CoordinatorMachine(RuleBasedStateMachine):
     histories = Bundle("histories")
+    reach = REACH
 
     @initialize(
         dcp=st.sampled_from([1, 2, 4, 8]),
@@ -109,9 +113,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
         finer_hash=st.booleans(),
         num_blocks=st.sampled_from([16, 24, 24, 48, 256]),
         budget=st.sampled_from([4, 16, 64]),
+        attention_keys=st.sampled_from(["every-hash", "every-hash", "chunk-ends"]),
     )
     def setup(self, dcp, fa_block, mamba_factor, speculative, window, eagle, partial, retention, exact_junction,
-              finer_hash, num_blocks, budget):
+              finer_hash, num_blocks, budget, attention_keys):
         # The eviction policy follows the budget rather than a draw of its own, so the fixed-seed
         # run keeps reaching the cases it reached before the policy existed (one machine in three
         # runs the compute policy).
@@ -125,9 +130,12 @@ class CoordinatorMachine(RuleBasedStateMachine):
         # H finer than every block (hits inside blocks), or derived (often equal to S).
         h = (fa_block // 2 or 1) if finer_hash and fa_block * min(dcp, mamba_factor) > 1 else None
         base = LayoutConfig(tuple(groups), dcp=dcp, max_model_len=512, hash_block_size=h, allow_partial_hash_hits=partial,
-                            shared_prefix_checkpoint=exact_junction, eviction=eviction)
+                            shared_prefix_checkpoint=exact_junction, eviction=eviction, attention_keys=attention_keys)
         interval = {"none": None, "0": 0, "K": 2 * resolve_layout(base).scheduler_block_size}[retention]
-        self.layout = resolve_layout(dataclasses.replace(base, retention_interval=interval))
+        self._start(resolve_layout(dataclasses.replace(base, retention_interval=interval)), num_blocks, budget, eagle)
+
+    def _start(self, layout: Layout, num_blocks: int, budget: int, eagle: bool) -> None:
+        self.layout = layout
         self.num_blocks, self.budget, self.eagle = num_blocks, budget, eagle
         self.kv = KVCacheManager(self.layout, num_blocks, use_eagle=eagle)
         self.sched = Scheduler(self.kv, max_num_batched_tokens=budget)
@@ -135,6 +143,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.count = 0
         self.too_big = False
         self.fresh = itertools.count(100)
+        # Keys of every chunk end so far (attention group 0), and where each running request's
+        # own writing began (its hit at its last admission): for INV-KEYS-EVERY-HASH.
+        self.chunk_end_keys: set = set()
+        self.own_start: dict[str, int] = {}
         self._wrap_allocate()
 
     def _wrap_allocate(self) -> None:
@@ -146,7 +158,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
         def lookup(request, bound=None):
             hit = real_lookup(request, bound)
-            self._label(hit)
+            self._label(request, hit)
             return hit
 
         kv.lookup = lookup
@@ -196,7 +208,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         r = Request(f"r{self.count}", list(prompt), self.layout.hash_block_size, cache_salt=salt,
                     arrival=self.sched.step + 1, expected_outputs=out)
         self.sched.add_request(r)
-        _count(f"arrival: {how}")
+        self.reach(f"arrival: {how}")
         # Later turns build on this prompt, and on this prompt plus its outputs.
         return multiple(prompt, prompt + out)
 
@@ -226,14 +238,22 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self._check_admission_copies(plan, waiting)
         self.oracle.run_step(plan)
         if plan.copies:
-            _count("copy-on-write")
+            self.reach("copy-on-write")
         if self.kv.pool.num_evictions > evictions:
-            _count("eviction")
-            _count(f"eviction: {self.kv.pool.policy}")
+            self.reach("eviction")
+            self.reach(f"eviction: {self.kv.pool.policy}")
         if plan.preempted:
-            _count("preemption")
+            self.reach("preemption")
+        h = self.layout.hash_block_size
+        for c in plan.chunks:
+            if c.overwrite:
+                self.own_start[c.request.request_id] = c.start
         for r in self.sched.finish_step(plan):
             self.oracle.forget(r)
+        for c in plan.chunks:
+            end = min(c.start + c.num_tokens, c.request.hashed_len)
+            if end >= h:
+                self.chunk_end_keys.add(key_at(c.request.block_hashes, end - end % h, h, 0))
 
     def _check_admission_copies(self, plan, waiting) -> None:
         """An admitted request whose hit ends inside a group's block has a copy into its row
@@ -253,6 +273,26 @@ class CoordinatorMachine(RuleBasedStateMachine):
             assert self.kv._check()
 
     @invariant()
+    def every_hash_boundary_written_has_a_key(self):
+        """INV-KEYS-EVERY-HASH, stated from the layout: with every-hash keys (and hits that may
+        end inside a block), each running request's attention block holding a hash boundary it
+        has computed since its hit carries that boundary's key; with chunk-end keys, at least
+        each block end."""
+        if not hasattr(self, "kv"):
+            return
+        g = self.layout.groups[0]
+        b, h = g.effective_block_size, self.layout.hash_block_size
+        every = self.layout.config.attention_keys == "every-hash" and self.layout.cache_hit_alignment < b
+        unit = h if every else b
+        table_of = self.kv.coordinator.managers[0].tables
+        for r in self.sched.running:
+            table, start = table_of[r.request_id], self.own_start[r.request_id]
+            done = min(r.num_computed_tokens, r.hashed_len)
+            for n in range(start - start % unit + unit, done + 1, unit):
+                keys = {k for k, _ in self.kv.pool.keys_of(table[(n - 1) // b])}
+                assert key_at(r.block_hashes, n, h, 0) in keys, (r, n, start, done, self.layout.config.attention_keys)
+
+    @invariant()
     def contents_are_right_on_every_rank(self):
         if hasattr(self, "oracle"):
             assert self.oracle.violations == []
@@ -268,16 +308,19 @@ class CoordinatorMachine(RuleBasedStateMachine):
             assert hit.num_tokens == want, (r, hit, want)
             self._check_hit_blocks(r, hit)
 
-    def _label(self, hit) -> None:
-        n = hit.num_tokens
+    def _label(self, request, hit) -> None:
+        n, h = hit.num_tokens, self.layout.hash_block_size
         if n == 0:
-            _count("lookup: no hit")
+            self.reach("lookup: no hit")
         elif n % self.layout.scheduler_block_size == 0:
-            _count("lookup: block-aligned hit")
+            self.reach("lookup: block-aligned hit")
         else:
-            _count("lookup: partial hit")
+            self.reach("lookup: partial hit")
+            key = key_at(request.block_hashes, n, h, 0)
+            if n % self.layout.groups[0].effective_block_size and key not in self.chunk_end_keys and self.kv.pool.lookup(key):
+                self.reach("lookup: hit inside a block at a boundary that was no chunk end")
         if hit.junctions:
-            _count("lookup: junction")
+            self.reach("lookup: junction")
 
     def _check_hit_blocks(self, r: Request, hit) -> None:
         """Each group's hit blocks hold this request's prefix: attention blocks below the hit
@@ -316,3 +359,40 @@ class TestCoordinatorMachine(CoordinatorMachine.TestCase):
     def tearDownClass(cls):
         if PROFILE == "ci":  # a fixed-seed run must reach the hard cases
             assert not REACH.shortfall(), f"the machines reached too few: {REACH.shortfall()} of {dict(REACH.counts)}"
+
+
+class AttentionAloneMachine(CoordinatorMachine):
+    """The same rules on one full-attention group hashed finer than its block (so hits land
+    inside blocks with no Mamba state to wait for), mostly with every-hash keys: a consumer
+    diverging inside a block hits at a boundary no chunk ended at (INV-KEYS-EVERY-HASH)."""
+
+    reach = REACH_ALONE
+
+    @initialize(
+        dcp=st.sampled_from([1, 2, 4, 8]),
+        fa_block=st.sampled_from([2, 4]),
+        eagle=st.booleans(),
+        partial=st.sampled_from([True, True, True, False]),
+        num_blocks=st.sampled_from([16, 24, 48, 256]),
+        budget=st.sampled_from([4, 16, 64]),
+        attention_keys=st.sampled_from(["every-hash", "every-hash", "chunk-ends"]),
+    )
+    def setup(self, dcp, fa_block, eagle, partial, num_blocks, budget, attention_keys):
+        config = LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, fa_block),), dcp=dcp, max_model_len=512,
+                              hash_block_size=fa_block // 2, allow_partial_hash_hits=partial, attention_keys=attention_keys)
+        self._start(resolve_layout(config), num_blocks, budget, eagle)
+
+
+class TestAttentionAloneMachine(AttentionAloneMachine.TestCase):
+    settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+    @classmethod
+    def setUpClass(cls):
+        REACH_ALONE.counts.clear()
+        REACH_ALONE.minimums = {"lookup: hit inside a block at a boundary that was no chunk end": 10,
+                                "lookup: partial hit": 20, "copy-on-write": 10}
+
+    @classmethod
+    def tearDownClass(cls):
+        if PROFILE == "ci":
+            assert not REACH_ALONE.shortfall(), f"the machines reached too few: {REACH_ALONE.shortfall()} of {dict(REACH_ALONE.counts)}"

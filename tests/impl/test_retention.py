@@ -16,9 +16,10 @@ from kvproof.spec.retention import RetentionRule, keeps_state, replay_boundaries
 FA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA
 
 
-def layout(retention=0, exact=False, dcp=2, fa=8, mamba=8, h=4):
+def layout(retention=0, exact=False, dcp=2, fa=8, mamba=8, h=4, keys="every-hash"):
     return resolve_layout(LayoutConfig((CacheGroup(FA, fa), CacheGroup(MAMBA, mamba)), dcp=dcp, max_model_len=4096,
-                                       hash_block_size=h, retention_interval=retention, shared_prefix_checkpoint=exact))
+                                       hash_block_size=h, retention_interval=retention, shared_prefix_checkpoint=exact,
+                                       attention_keys=keys))
 
 
 def cached(trace, lay, budget=2048):
@@ -38,17 +39,21 @@ def issue_trace():
 
 
 @pytest.mark.parametrize("retention", [0, None])
-def test_issue_example_sibling_resumes_at_the_junction(retention):
+@pytest.mark.parametrize("keys, junction", [("chunk-ends", 112), ("every-hash", 120)])
+def test_issue_example_sibling_resumes_at_the_junction(retention, keys, junction):
     """vLLM 0.33.0 caches 112 tokens for C: attention reaches 112 for B (A's block [112, 128) is
     full, keyed at 128 only), no Mamba state of A lies there, so B's first chunk stops at the
-    junction 112 and its state is kept; C finds it. Without the junction stop C hit 0."""
-    hits = cached(issue_trace(), layout(retention))
+    junction 112 and its state is kept; C finds it. Without the junction stop C hit 0. With
+    every-hash keys A's block also has a key at 120 (its last hash boundary B shares), so the
+    junction, B's kept state and C's hit are at 120."""
+    hits = cached(issue_trace(), layout(retention, keys=keys))
     assert hits["A"] == 0 and hits["B"] == 0
-    assert hits["C"] == 112
+    assert hits["C"] == junction
 
 
-def test_lookup_reports_the_junction_beyond_the_joint_hit():
-    lay = layout(0)
+@pytest.mark.parametrize("keys, junctions", [("chunk-ends", (112,)), ("every-hash", (112, 120))])
+def test_lookup_reports_the_junction_beyond_the_joint_hit(keys, junctions):
+    lay = layout(0, keys=keys)
     kv = KVCacheManager(lay, 512)
     a = Request("A", list(issue_trace()[0].prompt), lay.hash_block_size)
     kv.begin_step()
@@ -58,11 +63,11 @@ def test_lookup_reports_the_junction_beyond_the_joint_hit():
     kv.cache(a)
     b = Request("B", list(issue_trace()[1].prompt), lay.hash_block_size)
     hit = kv.lookup(b)
-    # Attention reaches 120 (its 16-token blocks up to 112, then A's partial key... no: A's
-    # block [112, 128) is full, keyed at 128 only, so attention stops at 112); no Mamba state
-    # of A lies at or below 122 except the one at 0.
+    # Chunk-end keys: A's block [112, 128) is full, keyed at 128 only, so attention stops at
+    # 112. Every-hash keys: that block also carries A's keys at 116 and 120, so attention reaches
+    # 120 (B shares 122 tokens). No Mamba state of A lies at or below 122 except the one at 0.
     assert hit.num_tokens == 0
-    assert hit.junctions == (112,)
+    assert hit.junctions == junctions
 
 
 def test_retention_zero_keeps_only_reachable_states():

@@ -126,9 +126,27 @@ def test_explicit_hash_block_size_must_divide_every_cacheable_group():
         hash_block_size(groups, 2, 24)
 
 
-def test_single_group_hash_must_equal_block():
+def test_single_group_hash_must_equal_block_unless_it_is_append_only_attention():
     with pytest.raises(ValueError, match="hash_block_size 8 must equal the scheduler block size 16"):
-        hash_block_size((CacheGroup(FA, 16),), 1, 8)
+        hash_block_size((CacheGroup(SWA, 16, sliding_window=64),), 1, 8)
+    with pytest.raises(ValueError, match="hash_block_size 8 must equal the scheduler block size 16"):
+        hash_block_size((CacheGroup(MAMBA, 16),), 1, 8)
+    with pytest.raises(ValueError, match="hash_block_size 96 does not divide effective block size 2048"):
+        hash_block_size((CacheGroup(MLA, 256),), 8, 96)
+
+
+@pytest.mark.parametrize("kind", [FA, MLA])
+def test_lone_attention_group_hashed_finer_than_its_block_hits_inside_blocks(kind):
+    """Issue 15: MLA 256 under DCP 8 spans 2,048 tokens per block; hashed every 256 tokens its
+    hits land on multiples of 256 (append-only KV), not of 2,048. Derived H stays the block."""
+    groups = (CacheGroup(kind, 256),)
+    assert hash_block_size(groups, 8) == 2048 and not partial_hash_hits(groups, 8, 2048).enabled
+    assert hash_block_size(groups, 8, 256) == 256
+    decision = partial_hash_hits(groups, 8, 256)
+    assert decision.enabled and cache_hit_alignment(2048, 256, decision.enabled) == 256
+    assert not partial_hash_hits(groups, 8, 256, allow=False).enabled
+    # Two attention groups keep vLLM's rule: block-aligned hits.
+    assert not partial_hash_hits((CacheGroup(kind, 16), CacheGroup(FA, 32)), 1, 16).enabled
 
 
 @pytest.mark.parametrize("bad", [0, -16, 1.5, True])

@@ -91,6 +91,10 @@ def test_partial_rule_with_strict_inequality_under_dcp_is_the_old_bug_not_a_cont
     swa = groups + (CacheGroup(GroupKind.SLIDING_WINDOW, 512, dcp_sharded=False, sliding_window=1024),)
     with fires("INV-GEOM-PARTIAL-RULE"):
         always_on(swa, 2, 256)  # a coarse-lookup group with block != H forces the fallback
+    with fires("INV-GEOM-PARTIAL-RULE"):
+        always_on((CacheGroup(GroupKind.MLA, 256),), 8, 2048)  # one attention group hashed at its block: nothing inside
+    with fires("INV-GEOM-PARTIAL-RULE"):
+        always_on((CacheGroup(GroupKind.MLA, 16), CacheGroup(GroupKind.FULL_ATTENTION, 32)), 1, 16)  # not a lone group
 
 
 def test_partial_grid_contract():
