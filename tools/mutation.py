@@ -70,12 +70,13 @@ TESTS = {
     "spec/chunk_split.py": ("tests/spec/test_chunk_split.py", "tests/spec/test_mutants.py"),
     "spec/capacity.py": ("tests/spec/test_capacity.py", "tests/spec/test_mutants.py"),
     "spec/retention.py": ("tests/impl/test_retention.py", "tests/spec/test_mutants.py"),
-    "spec/joint_hit.py": ("tests/proofs/test_pool_and_hit_checks.py", "tests/spec/test_mutants.py",
+    "spec/joint_hit.py": ("tests/spec/test_joint_hit.py", "tests/proofs/test_pool_and_hit_checks.py",
                           "tests/impl/test_coordinator_machine.py"),
 }
 #: The scheduler side: scenarios first (a killed mutant stops at its first failure), the
 #: coordinator's state machine (30 examples under the mutation profile) last.
-SCHEDULER_TESTS = ("tests/impl/test_coordinator_scenarios.py", "tests/impl/test_admission.py", "tests/impl/test_retention.py",
+SCHEDULER_TESTS = ("tests/impl/test_mutants_coordinator.py", "tests/impl/test_mutants_sliding_window.py",
+                   "tests/impl/test_coordinator_scenarios.py", "tests/impl/test_admission.py", "tests/impl/test_retention.py",
                    "tests/impl/test_oracle_teeth.py", "tests/impl/test_coordinator_machine.py")
 for _module in ("impl/coordinator.py", "impl/managers/base.py", "impl/managers/full_attention.py", "impl/managers/mamba.py",
                 "impl/managers/sliding_window.py"):

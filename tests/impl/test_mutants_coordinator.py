@@ -1,0 +1,62 @@
+"""The coordinator's lookup and allocation at their edges (cases tools/mutation.py found that
+the scenarios and the state machine's few examples did not reach): what a lookup reports when
+nothing can be reused or everything is, and a running request taking the pool's last block."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvproof.impl.kv_cache_manager import KVCacheManager
+from kvproof.impl.request import Request
+from kvproof.spec.groups import CacheGroup, GroupKind
+from kvproof.spec.layout import LayoutConfig, resolve_layout
+
+FA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA
+
+
+def run_prompt(kv, lay, request_id, prompt):
+    """Admit ``prompt`` as one chunk, compute it and cache it (mutates ``kv``); the request."""
+    r = Request(request_id, list(prompt), lay.hash_block_size)
+    kv.begin_step()
+    assert kv.allocate_slots(r, r.num_tokens, kv.lookup(r)) is not None
+    kv.take_block_copies()
+    r.num_computed_tokens = r.num_tokens
+    kv.cache(r)
+    return r
+
+
+def test_a_hit_within_one_group_reports_no_junction_and_is_frozen():
+    lay = resolve_layout(LayoutConfig((CacheGroup(FA, 4),), max_model_len=256))
+    kv = KVCacheManager(lay, 64)
+    run_prompt(kv, lay, "A", range(100, 116))
+    hit = kv.lookup(Request("B", list(range(100, 116)) + [7, 8, 9], lay.hash_block_size))
+    assert hit.num_tokens == 16 and hit.junctions == ()  # nothing beyond the hit is shared
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        hit.num_tokens = 0
+
+
+def test_a_layout_with_a_stateless_mamba_group_never_hits_nor_reports_junctions():
+    lay = resolve_layout(LayoutConfig((CacheGroup(FA, 4), CacheGroup(MAMBA, 4, mamba_cache_mode="none")),
+                                      max_model_len=256))
+    kv = KVCacheManager(lay, 64)
+    run_prompt(kv, lay, "A", range(100, 116))
+    hit = kv.lookup(Request("B", list(range(100, 116)) + [7], lay.hash_block_size))
+    assert (hit.num_tokens, hit.junctions) == (0, ())
+    assert all(blocks == [] for blocks in hit.blocks)
+
+
+def test_a_running_request_may_take_the_last_free_block():
+    lay = resolve_layout(LayoutConfig((CacheGroup(FA, 4),), max_model_len=256))
+    kv = KVCacheManager(lay, 4)  # blocks 1-3 usable
+    r = run_prompt(kv, lay, "A", range(100, 108))  # blocks for 8 tokens: 2
+    for token in range(6):
+        r.append_output(token)
+    kv.begin_step()
+    assert kv.allocate_slots(r, 4) is not None  # 4 more tokens: the third and last block
+    kv.take_block_copies()
+    r.num_computed_tokens += 4
+    kv.cache(r)
+    kv.begin_step()
+    assert kv.allocate_slots(r, 1) is None  # token 13 needs a fourth block, which does not exist
