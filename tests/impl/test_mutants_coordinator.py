@@ -37,6 +37,21 @@ def test_a_hit_within_one_group_reports_no_junction_and_is_frozen():
         hit.num_tokens = 0
 
 
+def test_a_request_that_resumed_from_a_hit_keys_what_it_computes():
+    lay = resolve_layout(LayoutConfig((CacheGroup(FA, 4),), max_model_len=256))
+    kv = KVCacheManager(lay, 64)
+    run_prompt(kv, lay, "A", range(100, 108))
+    b = Request("B", list(range(100, 116)), lay.hash_block_size)
+    hit = kv.lookup(b)
+    assert hit.num_tokens == 8
+    kv.begin_step()
+    assert kv.allocate_slots(b, 8, hit) is not None
+    kv.take_block_copies()
+    b.num_computed_tokens = 16
+    kv.cache(b)
+    assert kv.lookup(Request("C", list(range(100, 116)) + [1], lay.hash_block_size)).num_tokens == 16
+
+
 def test_a_layout_with_a_stateless_mamba_group_never_hits_nor_reports_junctions():
     lay = resolve_layout(LayoutConfig((CacheGroup(FA, 4), CacheGroup(MAMBA, 4, mamba_cache_mode="none")),
                                       max_model_len=256))

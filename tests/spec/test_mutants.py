@@ -4,6 +4,7 @@ boundaries nothing else touched, defaults, and helpers used one way only."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import icontract
 import pytest
@@ -122,3 +123,46 @@ def test_a_disabled_precondition_would_be_noticed():
             call()
     with pytest.raises(icontract.ViolationError, match="INV-DCP-LOCAL-LEN-BALANCE"):
         guard_like(placement.local_seq_lens, lambda num_tokens, dcp, interleave: (0, 1))(1, 2, 1)
+
+
+def _config(*groups, **kwargs):
+    return LayoutConfig(groups or (CacheGroup(GroupKind.FULL_ATTENTION, 4), CacheGroup(GroupKind.MAMBA, 8)), **kwargs)
+
+
+@pytest.mark.parametrize("config, message", [
+    (LayoutConfig(()), "at least one cache group is required"),
+    (_config(CacheGroup(GroupKind.MAMBA, 8, dcp_sharded=True)), "group 0 (mamba:8) is marked DCP-sharded"),
+    (_config(CacheGroup(GroupKind.SLIDING_WINDOW, 8, sliding_window=16), dcp=2),
+     "group 0 (sliding_window:8) is a DCP-sharded sliding window under dcp 2"),
+    (_config(CacheGroup(GroupKind.FULL_ATTENTION, 6), dcp=2, interleave=4),
+     "interleave 4 does not divide block size 6 of group 0"),
+    (_config(retention_interval=-16), "retention_interval -16 must be None (dense), 0 or a positive multiple"),
+    (_config(retention_interval=True), "retention_interval True must be None (dense), 0 or a positive multiple"),
+    (_config(retention_interval=16.0), "retention_interval 16.0 must be None (dense), 0 or a positive multiple"),
+    (_config(CacheGroup(GroupKind.FULL_ATTENTION, 8), retention_interval=8),
+     "retention_interval 8 has no effect without a Mamba or sliding-window group"),
+    (_config(retention_interval=12), "retention_interval 12 must be a multiple of the scheduler block size 8"),
+])
+def test_every_layout_check_names_its_value(config, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        resolve_layout(config)
+
+
+@pytest.mark.parametrize("config", [
+    _config(retention_interval=None), _config(retention_interval=16), _config(retention_interval=8),
+    _config(CacheGroup(GroupKind.SLIDING_WINDOW, 8, sliding_window=16), retention_interval=8),
+    _config(CacheGroup(GroupKind.SLIDING_WINDOW, 8, sliding_window=16, dcp_sharded=False), dcp=2),
+    _config(CacheGroup(GroupKind.SLIDING_WINDOW, 8, sliding_window=16)),  # sharded is harmless at dcp 1
+    _config(CacheGroup(GroupKind.FULL_ATTENTION, 6), interleave=4),  # interleave means nothing at dcp 1
+    _config(CacheGroup(GroupKind.FULL_ATTENTION, 8), dcp=2, interleave=4),
+    _config(CacheGroup(GroupKind.FULL_ATTENTION, 6, dcp_sharded=False), dcp=2, interleave=4),
+])
+def test_the_layouts_next_to_each_check_are_accepted(config):
+    assert resolve_layout(config).config == config
+
+
+def test_only_a_mamba_group_in_mode_none_is_not_prefix_cacheable():
+    assert not CacheGroup(GroupKind.MAMBA, 8, mamba_cache_mode="none").prefix_cacheable
+    assert CacheGroup(GroupKind.MAMBA, 8).prefix_cacheable
+    assert CacheGroup(GroupKind.FULL_ATTENTION, 8).prefix_cacheable
+    assert CacheGroup(GroupKind.SLIDING_WINDOW, 8, sliding_window=4).prefix_cacheable
