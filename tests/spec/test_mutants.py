@@ -111,16 +111,18 @@ def test_a_disabled_precondition_would_be_noticed():
     icontract violation, which would mean a condition without its error)."""
     from kvproof.spec import geometry
 
-    for call in (
-        lambda: geometry.scheduler_block_size((), 1),
-        lambda: geometry.hash_block_size((), 1),
-        lambda: geometry.max_num_blocks_per_req(CacheGroup(GroupKind.FULL_ATTENTION, 4), 0, 16),
-        lambda: geometry.block_table_width(-1, 4, 128),
-        lambda: geometry.block_table_width(4, 4, 0),
-        lambda: placement.local_seq_len(4, 0, 2, 0),
+    for call, message in (
+        (lambda: geometry.scheduler_block_size((), 1), "at least one cache group is required"),
+        (lambda: geometry.hash_block_size((), 1), "at least one cache group is required"),
+        (lambda: geometry.max_num_blocks_per_req(CacheGroup(GroupKind.FULL_ATTENTION, 4), 0, 16), "dcp 0 must be >= 1"),
+        (lambda: geometry.block_table_width(-1, 4, 128), "num_blocks -1 must be >= 0"),
+        (lambda: geometry.block_table_width(4, 4, 0), "token_alignment 0 must be None or > 0"),
+        (lambda: placement.local_seq_len(4, 0, 2, 0), "interleave 0 must be >= 1"),
+        (lambda: placement.local_seq_lens(4, 0, 1), "dcp 0 and interleave 1 must both be >= 1"),
     ):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=re.escape(message)):
             call()
+    assert geometry.max_num_blocks_per_req(CacheGroup(GroupKind.FULL_ATTENTION, 4), 1, 16) == 4
     with pytest.raises(icontract.ViolationError, match="INV-DCP-LOCAL-LEN-BALANCE"):
         guard_like(placement.local_seq_lens, lambda num_tokens, dcp, interleave: (0, 1))(1, 2, 1)
 
@@ -166,3 +168,22 @@ def test_only_a_mamba_group_in_mode_none_is_not_prefix_cacheable():
     assert CacheGroup(GroupKind.MAMBA, 8).prefix_cacheable
     assert CacheGroup(GroupKind.FULL_ATTENTION, 8).prefix_cacheable
     assert CacheGroup(GroupKind.SLIDING_WINDOW, 8, sliding_window=4).prefix_cacheable
+
+
+def test_the_partial_hit_reason_names_the_comparison_that_failed():
+    from kvproof.spec.geometry import partial_hash_hits
+
+    mamba = (CacheGroup(GroupKind.FULL_ATTENTION, 4), CacheGroup(GroupKind.MAMBA, 4))
+    assert partial_hash_hits(mamba, 1, 4).reason == "no align-mode Mamba group with block size > hash block size 4"
+    assert partial_hash_hits(mamba, 2, 8).reason == "no align-mode Mamba group with block size >= hash block size 8"
+
+
+def test_partial_hits_with_only_a_stateless_mamba_group_break_the_rule():
+    """INV-GEOM-PARTIAL-RULE: a Mamba group in mode 'none' gains nothing from partial hits."""
+    from kvproof.spec.geometry import partial_hash_hits
+
+    groups = (CacheGroup(GroupKind.FULL_ATTENTION, 4), CacheGroup(GroupKind.MAMBA, 8, mamba_cache_mode="none"))
+    assert not partial_hash_hits(groups, 1, 4).enabled
+    always = guard_like(partial_hash_hits, lambda groups, dcp, hash_size, allow=True: PartialHitDecision(True, "on"))
+    with pytest.raises(icontract.ViolationError, match="INV-GEOM-PARTIAL-RULE"):
+        always(groups, 1, 4)
