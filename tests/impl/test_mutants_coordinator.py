@@ -37,6 +37,13 @@ def test_a_hit_within_one_group_reports_no_junction_and_is_frozen():
         hit.num_tokens = 0
 
 
+def test_a_one_token_prefix_is_a_hit_with_one_token_blocks():
+    lay = resolve_layout(LayoutConfig((CacheGroup(FA, 1),), max_model_len=256))
+    kv = KVCacheManager(lay, 16)
+    run_prompt(kv, lay, "A", [5, 6, 7])
+    assert kv.lookup(Request("B", [5, 9], lay.hash_block_size)).num_tokens == 1  # the most a 2-token prompt can hit
+
+
 def test_a_request_that_resumed_from_a_hit_keys_what_it_computes():
     lay = resolve_layout(LayoutConfig((CacheGroup(FA, 4),), max_model_len=256))
     kv = KVCacheManager(lay, 64)
@@ -75,3 +82,29 @@ def test_a_running_request_may_take_the_last_free_block():
     kv.cache(r)
     kv.begin_step()
     assert kv.allocate_slots(r, 1) is None  # token 13 needs a fourth block, which does not exist
+
+
+def test_a_partial_mamba_hit_copies_one_block_and_every_block_comes_back():
+    lay = resolve_layout(LayoutConfig((CacheGroup(FA, 4), CacheGroup(MAMBA, 8)), max_model_len=256, hash_block_size=4))
+    kv = KVCacheManager(lay, 32)
+    a = Request("A", list(range(100, 113)), lay.hash_block_size)
+    for start, num_new in ((0, 12), (12, 1)):  # chunks as the split rule cuts them: the tail state at 12 is kept
+        kv.begin_step()
+        assert kv.allocate_slots(a, num_new, kv.lookup(a) if start == 0 else None) is not None
+        kv.take_block_copies()
+        a.num_computed_tokens = start + num_new
+        kv.cache(a)
+    b = Request("B", list(range(100, 112)) + [1, 2, 3, 4, 5, 6], lay.hash_block_size)
+    hit = kv.lookup(b)
+    assert hit.num_tokens == 12  # inside Mamba block 1: B works on a copy of A's state block
+    kv.begin_step()
+    assert kv.allocate_slots(b, 6, hit) is not None
+    copies = kv.take_block_copies()
+    assert len([c for c in copies if c[0] == 1]) == 1
+    b.num_computed_tokens = 18
+    kv.cache(b)
+    kv.free(a)
+    kv.free(b)
+    kv.begin_step()  # drops the reference that kept the copy's source alive during the step
+    pool = kv.coordinator.pool
+    assert pool.num_free == pool.num_blocks - 1  # nothing leaked: every block is free or evictable
