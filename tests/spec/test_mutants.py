@@ -4,6 +4,7 @@ boundaries nothing else touched, defaults, and helpers used one way only."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 
 import icontract
@@ -187,3 +188,61 @@ def test_partial_hits_with_only_a_stateless_mamba_group_break_the_rule():
     always = guard_like(partial_hash_hits, lambda groups, dcp, hash_size, allow=True: PartialHitDecision(True, "on"))
     with pytest.raises(icontract.ViolationError, match="INV-GEOM-PARTIAL-RULE"):
         always(groups, 1, 4)
+
+
+def _pool_with_a_prefix_key():
+    """A spec pool whose block ``b`` holds key k8 (8 tokens) and the prefix key k4."""
+    s, (b,) = spec_pool.allocate(spec_pool.initial(6), 1)
+    s, _ = spec_pool.cache_partial(s, b, "k4", 4)
+    s, _ = spec_pool.cache_full(s, b, "k8", 8, keep_prefixes=True)
+    return s, b
+
+
+def _lose_a_free_block(result):
+    """``result`` (a state, or a tuple starting with one) with the free queue's last block lost."""
+    if isinstance(result, tuple):
+        return (_lose_a_free_block(result[0]), *result[1:])
+    return dataclasses.replace(result, free=result.free[:-1])
+
+
+def test_every_spec_pool_operation_checks_it_leaves_a_well_formed_pool():
+    """INV-POOL-CONSERVE fires on each operation whose body loses a free block and does its
+    own job otherwise."""
+    s, b = _pool_with_a_prefix_key()
+    held = spec_pool.allocate(s, 1)[0]
+    calls = [
+        ("initial", (6,)), ("allocate", (s, 1)), ("touch", (s, [b])), ("free", (s, [b])),
+        ("cache_full", (s, b, "k12", 12)), ("cache_partial", (s, b, "k10", 10)),
+        ("evict", (spec_pool.free(s, [b]), [b])), ("move_key", (held, b, 2)),
+    ]
+    for name, args in calls:
+        op = getattr(spec_pool, name)
+        result = op(*args)
+        assert spec_pool.well_formed(result[0] if isinstance(result, tuple) else result)
+        def spoiled_body(*a, op=op, **k):
+            return _lose_a_free_block(op(*a, **k))
+
+        spoiled_body.__signature__ = inspect.signature(op)
+        spoiled = guard_like(op, spoiled_body)
+        with pytest.raises(icontract.ViolationError, match=f"INV-POOL-CONSERVE: (the )?{name}"):
+            spoiled(*args)
+
+
+def test_prefix_keys_must_differ_from_the_primary_and_lie_in_the_past():
+    s, b = _pool_with_a_prefix_key()
+    assert spec_pool.prefix_keys_nest(s)
+    (key, ntok, stamp), = s.prefixes[b]
+    for bad in ((("k8", ntok, stamp),), ((key, ntok, s.clock),)):
+        prefixes = s.prefixes[:b] + (bad,) + s.prefixes[b + 1:]
+        assert not spec_pool.prefix_keys_nest(dataclasses.replace(s, prefixes=prefixes))
+
+
+def test_spec_pool_refusals_change_nothing_and_a_held_prefix_key_is_no_new_key():
+    s, b = _pool_with_a_prefix_key()
+    assert spec_pool.cache_full(s, b, "k4", 4) == (s, False)  # k4 is already b's (as a prefix key)
+    assert spec_pool.cache_partial(s, b, "k6", 6) == (s, None)  # b already covers 8 tokens: refused, unchanged
+    changed = spec_pool.free(s, [b])
+    refuse_but_change = guard_like(spec_pool.cache_partial,
+                                   lambda s, block, key, num_tokens, replace=False, keep_prefixes=False: (changed, None))
+    with pytest.raises(icontract.ViolationError, match="INV-POOL-ATOMIC"):
+        refuse_but_change(s, b, "k6", 6)
