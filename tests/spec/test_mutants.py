@@ -246,3 +246,12 @@ def test_spec_pool_refusals_change_nothing_and_a_held_prefix_key_is_no_new_key()
                                    lambda s, block, key, num_tokens, replace=False, keep_prefixes=False: (changed, None))
     with pytest.raises(icontract.ViolationError, match="INV-POOL-ATOMIC"):
         refuse_but_change(s, b, "k6", 6)
+
+
+def test_the_pool_takes_every_group_id_of_its_range_and_no_other():
+    pool = BlockPool(4)
+    assert len(pool.allocate(1, 0)) == 1 and len(pool.allocate(1, 65535)) == 1
+    for bad in (-1, 65536, True):
+        with pytest.raises(ValueError, match=re.escape(f"allocate: group {bad!r} must be an int in [0, 65536)")):
+            pool.allocate(1, bad)
+    assert pool.num_free == 1  # the refusals took nothing
