@@ -255,3 +255,36 @@ def test_the_pool_takes_every_group_id_of_its_range_and_no_other():
         with pytest.raises(ValueError, match=re.escape(f"allocate: group {bad!r} must be an int in [0, 65536)")):
             pool.allocate(1, bad)
     assert pool.num_free == 1  # the refusals took nothing
+
+
+@pytest.mark.parametrize("call", [
+    lambda p: placement.owner_rank(p, 2, 1),
+    lambda p: placement.local_position(p, 4, 2, 1),
+    lambda p: placement.table_index(p, 4, 2, True),
+    lambda p: placement.owning_ranks(p, 4, 2, 1, True),
+    lambda p: placement.slot_for_position(p, (7,), 4, 2, 1, 0, True),
+])
+def test_placement_takes_position_zero_and_names_a_negative_one(call):
+    call(0)
+    with pytest.raises(ValueError, match="position -1 must be >= 0"):
+        call(-1)
+
+
+def test_a_rank_outside_the_group_and_repeated_positions_are_named():
+    assert placement.local_seq_len(4, 0, 2, 1) == 2 and placement.local_seq_len(4, 1, 2, 1) == 2
+    for rank in (-1, 2):
+        with pytest.raises(ValueError, match=re.escape(f"rank {rank} must lie in [0, dcp 2)")):
+            placement.local_seq_len(4, rank, 2, 1)
+    with pytest.raises(ValueError, match="positions must be distinct"):
+        placement.slot_mapping((1, 1), (7,), 4, 1, 1, 0, True)
+
+
+def test_row_widths_and_bytes_by_example():
+    from kvproof.spec import geometry
+
+    # Mamba in mode 'none' keeps one running state and its speculative blocks, however long.
+    stateless = CacheGroup(GroupKind.MAMBA, 16, mamba_cache_mode="none", num_speculative_blocks=2)
+    assert geometry.max_num_blocks_per_req(stateless, 1, 100_000) == 3
+    # 8192 tokens in blocks of 16: 512 int32 entries, 2 KiB per request row.
+    row = resolve_layout(LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, 16),), max_model_len=8192)).groups[0]
+    assert (row.table_width, row.table_row_bytes) == (512, 2048)
