@@ -288,3 +288,24 @@ def test_row_widths_and_bytes_by_example():
     # 8192 tokens in blocks of 16: 512 int32 entries, 2 KiB per request row.
     row = resolve_layout(LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, 16),), max_model_len=8192)).groups[0]
     assert (row.table_width, row.table_row_bytes) == (512, 2048)
+
+
+def test_a_row_narrower_than_a_stateless_mamba_groups_demand_breaks_the_width_rule():
+    from kvproof.spec import geometry
+
+    stateless = CacheGroup(GroupKind.MAMBA, 16, mamba_cache_mode="none", num_speculative_blocks=2)
+    narrow = guard_like(geometry.max_num_blocks_per_req, lambda group, dcp, max_len: 2)
+    with pytest.raises(icontract.ViolationError, match="INV-TABLE-WIDTH"):
+        narrow(stateless, 1, 100)
+
+
+def test_partial_hits_where_a_group_cannot_end_a_prefix_at_every_hash_boundary_break_the_rule():
+    """INV-GEOM-PARTIAL-RULE: with sliding-window blocks of 2 and H = 1, a hit of 1 token would
+    end inside a window block, which a window cannot restore (the Mamba group would gain)."""
+    from kvproof.spec.geometry import partial_hash_hits
+
+    groups = (CacheGroup(GroupKind.SLIDING_WINDOW, 2, sliding_window=4), CacheGroup(GroupKind.MAMBA, 2))
+    assert not partial_hash_hits(groups, 1, 1).enabled
+    always = guard_like(partial_hash_hits, lambda groups, dcp, hash_size, allow=True: PartialHitDecision(True, "on"))
+    with pytest.raises(icontract.ViolationError, match="INV-GEOM-PARTIAL-RULE"):
+        always(groups, 1, 1)
