@@ -198,3 +198,20 @@ def test_every_bad_rule_field_is_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SplitRule(**args)
     SplitRule(1, 1, 1, lookahead=0)  # the smallest rule is accepted
+
+
+@pytest.mark.parametrize("rule, start, num_new, num_tokens, num_prompt, junctions, end", [
+    # A resumed request starting mid-block stops at its block end (also its junction).
+    (SplitRule(2, 1, 3, lookahead=3), 7, 2, 10, 8, (8,), 8),
+    # No block-aligned end and not the prefill end within the tokens: the request waits.
+    (SplitRule(8, 4, 16, partial_tail=True, lookahead=3), 0, 4, 7, 5, (5,), 0),
+    (SplitRule(8, 4, 16, eagle_drop=True, shared_prefix_checkpoint=True), 2, 5, 10, 10, (3,), 2),
+    (SplitRule(4, 2, 16, lookahead=3), 0, 1, 2, 2, (), 0),
+    # A Mamba block wider than any chunk: the chunk takes all its tokens.
+    (SplitRule(8, 4, 3, partial_tail=True, eagle_drop=True, lookahead=3), 0, 7, 14, 14, (13,), 7),
+    # An exact junction inside the chunk is where it ends.
+    (SplitRule(4, 4, 3, partial_tail=True, eagle_drop=True, lookahead=3, shared_prefix_checkpoint=True),
+     9, 3, 18, 17, (10,), 10),
+])
+def test_worked_chunk_ends(rule, start, num_new, num_tokens, num_prompt, junctions, end):
+    assert chunk_end(rule, start, num_new, num_tokens, num_prompt, junctions) == end
