@@ -129,6 +129,7 @@ def test_an_exact_junction_state_is_kept_only_inside_the_prompt_and_when_asked()
     assert not kept(122, exact=False)
     assert kept(121, junctions=(121,))
     assert not kept(123, junctions=(123,))  # past the prompt: not a junction the split stops at
+    assert not keeps_state(122, rule, num_prompt_tokens=122, junctions=(122,))  # exact junctions are opt-in
 
 
 @pytest.mark.parametrize("kwargs, message", [

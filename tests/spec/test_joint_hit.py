@@ -67,3 +67,4 @@ def test_the_fixpoint_reports_the_longest_single_group_answer_and_its_passes():
     mamba = lambda n: (8 if n >= 8 else 0, "m")  # noqa: E731
     assert fixpoint([attention, mamba], 16) == (8, ["a", "m"], 12, 2)
     assert fixpoint([attention, lambda n: (0, "none")], 16) == (0, ["a", "none"], 12, 1)
+    assert fixpoint([lambda n: (0, "none")], 16) == (0, ["none"], 0, 1)  # no group restores anything
