@@ -309,3 +309,17 @@ def test_partial_hits_where_a_group_cannot_end_a_prefix_at_every_hash_boundary_b
     always = guard_like(partial_hash_hits, lambda groups, dcp, hash_size, allow=True: PartialHitDecision(True, "on"))
     with pytest.raises(icontract.ViolationError, match="INV-GEOM-PARTIAL-RULE"):
         always(groups, 1, 1)
+
+
+def test_a_key_stamped_now_or_later_is_inconsistent_and_move_key_names_bad_blocks():
+    s, b = _pool_with_a_prefix_key()
+    assert spec_pool.keys_consistent(s)
+    stamp = s.stamp[:b] + (s.clock,) + s.stamp[b + 1:]
+    assert not spec_pool.keys_consistent(dataclasses.replace(s, stamp=stamp))
+    ntok = s.ntok[:b] + (-1,) + s.ntok[b + 1:]
+    assert not spec_pool.keys_consistent(dataclasses.replace(s, ntok=ntok))
+    held, (other, third) = spec_pool.allocate(s, 2)
+    keyed, _ = spec_pool.cache_full(held, third, "k3", 3)
+    for src, dst in ((99, b), (b, 99), (-1, b), (other, b), (b, third)):  # dst keyed, or src without a key
+        with pytest.raises(ValueError, match="move_key"):
+            spec_pool.move_key(keyed, src, dst)
