@@ -3,6 +3,8 @@ and each retention interval)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvproof.impl.kv_cache_manager import KVCacheManager
@@ -105,6 +107,13 @@ def test_a_short_eagle_prompt_resumes_from_the_start():
     # Under two scheduler blocks, one block lower is position 0: nothing to resume from.
     assert replay_boundaries(20, 16, eagle=True) == (0,)
     assert replay_boundaries(16, 16, eagle=True) == (0,)
+    assert replay_boundaries(10, 16, eagle=True) == (0,)  # shorter than one block
+
+
+def test_a_retention_rule_is_frozen():
+    rule = RetentionRule(0, block=8, hash_block=4, alignment=4, scheduler_block=16)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rule.interval = 8
 
 
 def test_no_state_is_kept_before_the_first_token():

@@ -70,9 +70,16 @@ def test_check_names_the_request_the_need_and_the_pool():
     )
 
 
-def test_bad_token_count_is_a_value_error():
-    with pytest.raises(ValueError, match="num_tokens 0 must be a positive integer"):
-        blocks_alone(layout(CacheGroup(FA, 16)), 0)
+@pytest.mark.parametrize("bad", [0, True, 1.5])
+def test_bad_token_count_is_a_value_error(bad):
+    with pytest.raises(ValueError, match=f"num_tokens {bad!r} must be a positive integer"):
+        blocks_alone(layout(CacheGroup(FA, 16)), bad)
+
+
+def test_a_request_one_block_over_the_usable_pool_is_refused():
+    lay = layout(CacheGroup(FA, 16), CacheGroup(MAMBA, 16))
+    with pytest.raises(ValueError, match="needs at least 4 blocks"):
+        check_fits_alone(lay, 4, "one over", 33)  # 3 + 1 blocks, 3 usable
 
 
 def test_capacity_contract_fires_on_a_rule_that_undercounts():
