@@ -108,3 +108,11 @@ def test_a_partial_mamba_hit_copies_one_block_and_every_block_comes_back():
     kv.begin_step()  # drops the reference that kept the copy's source alive during the step
     pool = kv.coordinator.pool
     assert pool.num_free == pool.num_blocks - 1  # nothing leaked: every block is free or evictable
+
+
+def test_a_junction_inside_an_attention_block_also_reports_the_block_boundary_below_it():
+    lay = resolve_layout(LayoutConfig((CacheGroup(FA, 8), CacheGroup(MAMBA, 8)), max_model_len=256, hash_block_size=4))
+    kv = KVCacheManager(lay, 64)
+    run_prompt(kv, lay, "A", range(100, 114))  # attention keys 8 and the tail 12; Mamba keeps no state below 14
+    hit = kv.lookup(Request("B", list(range(100, 113)) + [1, 2, 3], lay.hash_block_size))
+    assert (hit.num_tokens, hit.junctions) == (0, (8, 12))
