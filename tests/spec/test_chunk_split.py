@@ -150,7 +150,8 @@ def test_checkpoint_contract_fires():
 
 
 @pytest.mark.parametrize("start, num_new, message", [(10, 1, r"chunk start 10 must lie in \[0, 10\)"),
-                                                     (2, 9, r"chunk of 9 tokens from 2 must hold 1 .. 8 tokens")])
+                                                     (2, 9, r"chunk of 9 tokens from 2 must hold 1 .. 8 tokens"),
+                                                     (2, 0, r"chunk of 0 tokens from 2 must hold 1 .. 8 tokens")])
 def test_bad_input_is_named(start, num_new, message):
     with pytest.raises(ValueError, match=message):
         chunk_end(SplitRule(4, 2, 16), start, num_new, 10, 10)
