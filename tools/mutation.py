@@ -67,7 +67,20 @@ TESTS = {
                           "tests/spec/test_mutants.py"),
     "impl/block_pool.py": ("tests/spec/test_mutants.py", "tests/impl/test_block_pool.py", "tests/impl/test_block_pool_contracts.py",
                            "tests/impl/test_block_pool_machine.py"),
+    "spec/chunk_split.py": ("tests/spec/test_chunk_split.py", "tests/spec/test_mutants.py"),
+    "spec/capacity.py": ("tests/spec/test_capacity.py", "tests/spec/test_mutants.py"),
+    "spec/retention.py": ("tests/impl/test_retention.py", "tests/spec/test_mutants.py"),
+    "spec/joint_hit.py": ("tests/spec/test_joint_hit.py", "tests/proofs/test_pool_and_hit_checks.py",
+                          "tests/impl/test_coordinator_machine.py"),
 }
+#: The scheduler side: scenarios first (a killed mutant stops at its first failure), the
+#: coordinator's state machine (30 examples under the mutation profile) last.
+SCHEDULER_TESTS = ("tests/impl/test_mutants_coordinator.py", "tests/impl/test_mutants_sliding_window.py",
+                   "tests/impl/test_coordinator_scenarios.py", "tests/impl/test_admission.py", "tests/impl/test_retention.py",
+                   "tests/impl/test_oracle_teeth.py", "tests/impl/test_coordinator_machine.py")
+for _module in ("impl/coordinator.py", "impl/managers/base.py", "impl/managers/full_attention.py", "impl/managers/mamba.py",
+                "impl/managers/sliding_window.py"):
+    TESTS[_module] = SCHEDULER_TESTS
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -219,6 +232,8 @@ def main(argv=None) -> int:
                         killed += 1
                     else:
                         survivors.append(f"{module}:{line} {op}: {lines[line - 1].strip()}")
+                        if args.list_survivors:  # also as they come: a long run can be read (or stopped) early
+                            print(f"  survives {survivors[-1]}", file=sys.stderr, flush=True)
             time.sleep(0.05)
         total = killed + sum(1 for s in survivors if s.startswith(f"{module}:"))
         rows.append((module, generated, total, killed))

@@ -3,6 +3,8 @@ and each retention interval)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvproof.impl.kv_cache_manager import KVCacheManager
@@ -104,3 +106,54 @@ def test_retention_is_a_memory_trade_seen_in_held_states():
     sparse = cached(trace, layout(0), budget=64)
     assert dense["s"] == 64  # p's chunks end every 64 tokens; the state at 64 is kept
     assert sparse["s"] == 0
+
+
+def test_a_short_eagle_prompt_resumes_from_the_start():
+    # Under two scheduler blocks, one block lower is position 0: nothing to resume from.
+    assert replay_boundaries(20, 16, eagle=True) == (0,)
+    assert replay_boundaries(16, 16, eagle=True) == (0,)
+    assert replay_boundaries(10, 16, eagle=True) == (0,)  # shorter than one block
+
+
+def test_a_retention_rule_is_frozen():
+    rule = RetentionRule(0, block=8, hash_block=4, alignment=4, scheduler_block=16)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rule.interval = 8
+
+
+def test_no_state_is_kept_before_the_first_token():
+    for interval in (None, 0, 8):
+        rule = RetentionRule(interval, block=8, hash_block=4, alignment=4, scheduler_block=8)
+        assert not keeps_state(0, rule, num_prompt_tokens=40)
+
+
+def test_with_eagle_the_state_one_block_below_a_junction_is_kept():
+    rule = RetentionRule(0, block=8, hash_block=4, alignment=4, scheduler_block=16, eagle=True)
+    keep = [n for n in range(1, 160) if keeps_state(n, rule, num_prompt_tokens=159, junctions=(120,))]
+    # replay boundary 128 (one scheduler block below 144); tail checkpoint 152 (one hash block
+    # below 156); junction 120, and 112 where the draft resumes below it.
+    assert keep == [112, 120, 128, 152]
+
+
+def test_an_exact_junction_state_is_kept_only_inside_the_prompt_and_when_asked():
+    rule = RetentionRule(0, block=8, hash_block=4, alignment=4, scheduler_block=16)
+    kept = lambda n, exact=True, junctions=(122,): keeps_state(  # noqa: E731
+        n, rule, num_prompt_tokens=122, junctions=junctions, exact_junction=exact)
+    assert kept(122)  # a junction at the prompt's very end
+    assert not kept(122, exact=False)
+    assert kept(121, junctions=(121,))
+    assert not kept(123, junctions=(123,))  # past the prompt: not a junction the split stops at
+    assert not keeps_state(122, rule, num_prompt_tokens=122, junctions=(122,))  # exact junctions are opt-in
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"interval": -1}, "retention interval -1 must be None or a non-negative integer"),
+    ({"interval": 1.5}, "retention interval 1.5 must be None or a non-negative integer"),
+    ({"block": 0}, "block 0 must be positive"),
+    ({"scheduler_block": 0}, "scheduler_block 0 must be positive"),
+])
+def test_a_bad_retention_rule_is_named(kwargs, message):
+    args = {"interval": 0, "block": 1, "hash_block": 1, "alignment": 1, "scheduler_block": 1} | kwargs
+    with pytest.raises(ValueError, match=message):
+        RetentionRule(**args)
+    RetentionRule(**(args | {k: (0 if k == "interval" else 1) for k in kwargs}))  # the edge is accepted

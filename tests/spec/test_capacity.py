@@ -39,6 +39,26 @@ def test_worked_examples():
     assert blocks_alone(layout(CacheGroup(FA, 16), CacheGroup(MAMBA, 16, num_speculative_blocks=3)), 1) == (1, 4)
 
 
+def test_a_request_shorter_than_its_window_holds_every_block_of_it():
+    # Window 8 over blocks of 4: 7 tokens sit in blocks 0 and 1, and the window still reads both.
+    assert blocks_alone(layout(CacheGroup(SW, 4, sliding_window=8)), 7) == (2,)
+    # Blocks of one token: exactly the tokens, up to the window.
+    assert [blocks_alone(layout(CacheGroup(SW, 1, sliding_window=3)), n) for n in (2, 3, 4)] == [(2,), (3,), (3,)]
+
+
+def test_capacity_contract_fires_on_a_rule_that_overcounts_or_drops_window_blocks():
+    """INV-CAPACITY-ALONE is exact where it must be: an extra attention block would refuse a pool
+    that fits, and a window needs its last min(n, window) tokens, no more blocks than n has."""
+    fa = layout(CacheGroup(FA, 16))
+    with pytest.raises(icontract.ViolationError, match="INV-CAPACITY-ALONE"):
+        guard_like(blocks_alone, lambda layout, num_tokens: (-(-num_tokens // 16) + 1,))(fa, 32)
+    sw = layout(CacheGroup(SW, 4, sliding_window=8))
+    with pytest.raises(icontract.ViolationError, match="INV-CAPACITY-ALONE"):
+        guard_like(blocks_alone, lambda layout, num_tokens: (1,))(sw, 20)  # 8 tokens need 2 blocks
+    with pytest.raises(icontract.ViolationError, match="INV-CAPACITY-ALONE"):
+        guard_like(blocks_alone, lambda layout, num_tokens: (3,))(sw, 7)  # 7 tokens fill only 2 blocks
+
+
 def test_check_names_the_request_the_need_and_the_pool():
     lay = layout(CacheGroup(FA, 16), CacheGroup(MAMBA, 16))
     check_fits_alone(lay, 4, "ok", 32)  # 2 + 1 blocks: exactly the 3 usable ones
@@ -50,9 +70,16 @@ def test_check_names_the_request_the_need_and_the_pool():
     )
 
 
-def test_bad_token_count_is_a_value_error():
-    with pytest.raises(ValueError, match="num_tokens 0 must be a positive integer"):
-        blocks_alone(layout(CacheGroup(FA, 16)), 0)
+@pytest.mark.parametrize("bad", [0, True, 1.5])
+def test_bad_token_count_is_a_value_error(bad):
+    with pytest.raises(ValueError, match=f"num_tokens {bad!r} must be a positive integer"):
+        blocks_alone(layout(CacheGroup(FA, 16)), bad)
+
+
+def test_a_request_one_block_over_the_usable_pool_is_refused():
+    lay = layout(CacheGroup(FA, 16), CacheGroup(MAMBA, 16))
+    with pytest.raises(ValueError, match="needs at least 4 blocks"):
+        check_fits_alone(lay, 4, "one over", 33)  # 3 + 1 blocks, 3 usable
 
 
 def test_capacity_contract_fires_on_a_rule_that_undercounts():

@@ -150,7 +150,8 @@ def test_checkpoint_contract_fires():
 
 
 @pytest.mark.parametrize("start, num_new, message", [(10, 1, r"chunk start 10 must lie in \[0, 10\)"),
-                                                     (2, 9, r"chunk of 9 tokens from 2 must hold 1 .. 8 tokens")])
+                                                     (2, 9, r"chunk of 9 tokens from 2 must hold 1 .. 8 tokens"),
+                                                     (2, 0, r"chunk of 0 tokens from 2 must hold 1 .. 8 tokens")])
 def test_bad_input_is_named(start, num_new, message):
     with pytest.raises(ValueError, match=message):
         chunk_end(SplitRule(4, 2, 16), start, num_new, 10, 10)
@@ -159,3 +160,59 @@ def test_bad_input_is_named(start, num_new, message):
 def test_bad_rule_is_named():
     with pytest.raises(ValueError, match=r"mamba_block_size 0 must be a positive integer"):
         SplitRule(0, 2, 16)
+
+
+def test_a_mid_block_start_stops_at_its_own_block_end():
+    # A partial hit of 1 token with Mamba blocks of 2: the first chunk ends at 2, not further.
+    assert chunk_end(SplitRule(2, 1, 3), 1, 9, 12, 12, (12,)) == 2
+
+
+def test_a_junction_on_a_block_boundary_is_itself_the_stop():
+    assert chunk_end(SplitRule(2, 1, 16), 0, 5, 5, 4, (4,)) == 4
+    # A junction inside the first block floors to the start: no stop, the chunk runs to its target.
+    rule = SplitRule(2, 1, 16, partial_tail=True, eagle_drop=True)
+    assert chunk_end(rule, 0, 7, 11, 9, (1,)) == 6
+
+
+def test_a_junction_the_chunk_ends_at_anyway_is_no_stop():
+    # A resumed request (10 known tokens, prompt 8) with the junction at its target, 10: vLLM
+    # stops only at junctions strictly inside the chunk, so the block floor 8 is no stop.
+    rule = SplitRule(4, 4, 3, partial_tail=True, eagle_drop=True, shared_prefix_checkpoint=True)
+    assert chunk_end(rule, 4, 6, 10, 8, (10,)) == 10
+
+
+def test_chunks_that_end_at_an_exact_junction_or_the_prefill_end_meet_the_contracts():
+    rule = SplitRule(8, 4, 3, partial_tail=True, eagle_drop=True, shared_prefix_checkpoint=True)
+    assert chunk_end(rule, 5, 4, 13, 11, (11,)) == 8  # a mid-block start stops at its block end
+    assert chunk_end(SplitRule(8, 4, 16, shared_prefix_checkpoint=True), 17, 1, 18, 18, (18,)) == 18
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mamba_block_size": True}, "mamba_block_size True must be a positive integer"),
+    ({"max_prefill_tokens": 16.0}, "max_prefill_tokens 16.0 must be a positive integer"),
+    ({"hash_block_size": 0}, "hash_block_size 0 must be a positive integer"),
+    ({"lookahead": -1}, "lookahead -1 must be a non-negative integer"),
+    ({"lookahead": True}, "lookahead True must be a non-negative integer"),
+])
+def test_every_bad_rule_field_is_named(kwargs, message):
+    args = {"mamba_block_size": 1, "hash_block_size": 1, "max_prefill_tokens": 1} | kwargs
+    with pytest.raises(ValueError, match=message):
+        SplitRule(**args)
+    SplitRule(1, 1, 1, lookahead=0)  # the smallest rule is accepted
+
+
+@pytest.mark.parametrize("rule, start, num_new, num_tokens, num_prompt, junctions, end", [
+    # A resumed request starting mid-block stops at its block end (also its junction).
+    (SplitRule(2, 1, 3, lookahead=3), 7, 2, 10, 8, (8,), 8),
+    # No block-aligned end and not the prefill end within the tokens: the request waits.
+    (SplitRule(8, 4, 16, partial_tail=True, lookahead=3), 0, 4, 7, 5, (5,), 0),
+    (SplitRule(8, 4, 16, eagle_drop=True, shared_prefix_checkpoint=True), 2, 5, 10, 10, (3,), 2),
+    (SplitRule(4, 2, 16, lookahead=3), 0, 1, 2, 2, (), 0),
+    # A Mamba block wider than any chunk: the chunk takes all its tokens.
+    (SplitRule(8, 4, 3, partial_tail=True, eagle_drop=True, lookahead=3), 0, 7, 14, 14, (13,), 7),
+    # An exact junction inside the chunk is where it ends.
+    (SplitRule(4, 4, 3, partial_tail=True, eagle_drop=True, lookahead=3, shared_prefix_checkpoint=True),
+     9, 3, 18, 17, (10,), 10),
+])
+def test_worked_chunk_ends(rule, start, num_new, num_tokens, num_prompt, junctions, end):
+    assert chunk_end(rule, start, num_new, num_tokens, num_prompt, junctions) == end

@@ -1,0 +1,118 @@
+"""The coordinator's lookup and allocation at their edges (cases tools/mutation.py found that
+the scenarios and the state machine's few examples did not reach): what a lookup reports when
+nothing can be reused or everything is, and a running request taking the pool's last block."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvproof.impl.kv_cache_manager import KVCacheManager
+from kvproof.impl.request import Request
+from kvproof.spec.groups import CacheGroup, GroupKind
+from kvproof.spec.layout import LayoutConfig, resolve_layout
+
+FA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA
+
+
+def run_prompt(kv, lay, request_id, prompt):
+    """Admit ``prompt`` as one chunk, compute it and cache it (mutates ``kv``); the request."""
+    r = Request(request_id, list(prompt), lay.hash_block_size)
+    kv.begin_step()
+    assert kv.allocate_slots(r, r.num_tokens, kv.lookup(r)) is not None
+    kv.take_block_copies()
+    r.num_computed_tokens = r.num_tokens
+    kv.cache(r)
+    return r
+
+
+def test_a_hit_within_one_group_reports_no_junction_and_is_frozen():
+    lay = resolve_layout(LayoutConfig((CacheGroup(FA, 4),), max_model_len=256))
+    kv = KVCacheManager(lay, 64)
+    run_prompt(kv, lay, "A", range(100, 116))
+    hit = kv.lookup(Request("B", list(range(100, 116)) + [7, 8, 9], lay.hash_block_size))
+    assert hit.num_tokens == 16 and hit.junctions == ()  # nothing beyond the hit is shared
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        hit.num_tokens = 0
+
+
+def test_a_one_token_prefix_is_a_hit_with_one_token_blocks():
+    lay = resolve_layout(LayoutConfig((CacheGroup(FA, 1),), max_model_len=256))
+    kv = KVCacheManager(lay, 16)
+    run_prompt(kv, lay, "A", [5, 6, 7])
+    assert kv.lookup(Request("B", [5, 9], lay.hash_block_size)).num_tokens == 1  # the most a 2-token prompt can hit
+
+
+def test_a_request_that_resumed_from_a_hit_keys_what_it_computes():
+    lay = resolve_layout(LayoutConfig((CacheGroup(FA, 4),), max_model_len=256))
+    kv = KVCacheManager(lay, 64)
+    run_prompt(kv, lay, "A", range(100, 108))
+    b = Request("B", list(range(100, 116)), lay.hash_block_size)
+    hit = kv.lookup(b)
+    assert hit.num_tokens == 8
+    kv.begin_step()
+    assert kv.allocate_slots(b, 8, hit) is not None
+    kv.take_block_copies()
+    b.num_computed_tokens = 16
+    kv.cache(b)
+    assert kv.lookup(Request("C", list(range(100, 116)) + [1], lay.hash_block_size)).num_tokens == 16
+
+
+def test_a_layout_with_a_stateless_mamba_group_never_hits_nor_reports_junctions():
+    lay = resolve_layout(LayoutConfig((CacheGroup(FA, 4), CacheGroup(MAMBA, 4, mamba_cache_mode="none")),
+                                      max_model_len=256))
+    kv = KVCacheManager(lay, 64)
+    run_prompt(kv, lay, "A", range(100, 116))
+    hit = kv.lookup(Request("B", list(range(100, 116)) + [7], lay.hash_block_size))
+    assert (hit.num_tokens, hit.junctions) == (0, ())
+    assert all(blocks == [] for blocks in hit.blocks)
+
+
+def test_a_running_request_may_take_the_last_free_block():
+    lay = resolve_layout(LayoutConfig((CacheGroup(FA, 4),), max_model_len=256))
+    kv = KVCacheManager(lay, 4)  # blocks 1-3 usable
+    r = run_prompt(kv, lay, "A", range(100, 108))  # blocks for 8 tokens: 2
+    for token in range(6):
+        r.append_output(token)
+    kv.begin_step()
+    assert kv.allocate_slots(r, 4) is not None  # 4 more tokens: the third and last block
+    kv.take_block_copies()
+    r.num_computed_tokens += 4
+    kv.cache(r)
+    kv.begin_step()
+    assert kv.allocate_slots(r, 1) is None  # token 13 needs a fourth block, which does not exist
+
+
+def test_a_partial_mamba_hit_copies_one_block_and_every_block_comes_back():
+    lay = resolve_layout(LayoutConfig((CacheGroup(FA, 4), CacheGroup(MAMBA, 8)), max_model_len=256, hash_block_size=4))
+    kv = KVCacheManager(lay, 32)
+    a = Request("A", list(range(100, 113)), lay.hash_block_size)
+    for start, num_new in ((0, 12), (12, 1)):  # chunks as the split rule cuts them: the tail state at 12 is kept
+        kv.begin_step()
+        assert kv.allocate_slots(a, num_new, kv.lookup(a) if start == 0 else None) is not None
+        kv.take_block_copies()
+        a.num_computed_tokens = start + num_new
+        kv.cache(a)
+    b = Request("B", list(range(100, 112)) + [1, 2, 3, 4, 5, 6], lay.hash_block_size)
+    hit = kv.lookup(b)
+    assert hit.num_tokens == 12  # inside Mamba block 1: B works on a copy of A's state block
+    kv.begin_step()
+    assert kv.allocate_slots(b, 6, hit) is not None
+    copies = kv.take_block_copies()
+    assert len([c for c in copies if c[0] == 1]) == 1
+    b.num_computed_tokens = 18
+    kv.cache(b)
+    kv.free(a)
+    kv.free(b)
+    kv.begin_step()  # drops the reference that kept the copy's source alive during the step
+    pool = kv.coordinator.pool
+    assert pool.num_free == pool.num_blocks - 1  # nothing leaked: every block is free or evictable
+
+
+def test_a_junction_inside_an_attention_block_also_reports_the_block_boundary_below_it():
+    lay = resolve_layout(LayoutConfig((CacheGroup(FA, 8), CacheGroup(MAMBA, 8)), max_model_len=256, hash_block_size=4))
+    kv = KVCacheManager(lay, 64)
+    run_prompt(kv, lay, "A", range(100, 114))  # attention keys 8 and the tail 12; Mamba keeps no state below 14
+    hit = kv.lookup(Request("B", list(range(100, 113)) + [1, 2, 3], lay.hash_block_size))
+    assert (hit.num_tokens, hit.junctions) == (0, (8, 12))
