@@ -162,8 +162,10 @@ def test_every_hash_keys_never_give_a_request_fewer_hit_tokens(config, trace, bu
     """Both rules replayed on the same trace with a pool that never evicts, the content oracle on
     (every hit's KV checked on every rank) and the cheap contracts (the whole-pool checks after
     every pool call are the pool machine's job): no request hits less with every-hash keys.
-    Turns served one after another: with requests in flight together it does not hold in
-    general (the next test)."""
+    Turns served one after another. The one exception, named in docs/benchmarks.md ("DCP
+    without losing hits"): a hybrid under retention 0, where a finer attention reach moves a
+    junction, and with it the only Mamba state kept, past a shorter one a later request needed
+    (pinned below); generated like every other case, and counted."""
     reach.minimums = {"every-hash hits more: attention only": 20, "every-hash hits more: hybrid": 10,
                       "attention only": 120, "hybrid": 300, "dcp 8": 100}
     hits = {}
@@ -174,8 +176,11 @@ def test_every_hash_keys_never_give_a_request_fewer_hit_tokens(config, trace, bu
         assert result.violations == [] and result.evictions == 0
         hits[keys] = [r.num_cached_tokens for r in result.requests]
     more, fewer = hits["every-hash"], hits["chunk-ends"]
-    assert all(m >= f for m, f in zip(more, fewer)), (hits, layout)
     kind = "hybrid" if len(config.groups) > 1 else "attention only"
+    if any(m < f for m, f in zip(more, fewer)):
+        assert kind == "hybrid" and config.retention_interval == 0, (hits, layout)
+        reach("every-hash hits less: junction moved (hybrid, retention 0)")
+        return
     reach(kind)
     reach(f"dcp {config.dcp}")
     if more != fewer:
