@@ -96,8 +96,8 @@ def test_replay_pool_and_budget_flags(capsys, trace, argv, needle):
 def test_replay_pool_larger_than_memory_is_refused_before_allocating(capsys, trace, monkeypatch):
     monkeypatch.setattr(limits, "available_memory", lambda: 1_000_000_000)
     err = assert_bad_input(capsys, ["replay", trace, *SMALL, "--num-blocks", "100000000"],
-                           "--num-blocks 100,000,000 needs about 16.0 GB (the block pool), but this machine has 1.0 GB "
-                           "available; expected --num-blocks <= 6,250,000")
+                           "--num-blocks 100,000,000 needs about 24.0 GB (the block pool), but this machine has 1.0 GB "
+                           "available; expected --num-blocks <= 4,166,666")
     assert err.startswith("kvproof replay: error: ")
 
 
