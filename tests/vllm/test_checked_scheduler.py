@@ -5,7 +5,6 @@ copy-on-write hazard (found by Hypothesis) and on seeded bugs, each beside an un
 
 from __future__ import annotations
 
-import random
 
 import pytest
 from hypothesis import HealthCheck, Phase, event, find, given, settings
@@ -30,6 +29,8 @@ from kvproof.spec.contracts import InvariantViolation  # noqa: E402
 from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
 
+from .traces import conversations  # noqa: E402
+
 FA, MLA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MLA, GroupKind.MAMBA
 
 
@@ -44,19 +45,6 @@ def layout_for(groups, dcp=1, hash_block_size=None, max_model_len=4096, **option
                                        hash_block_size=hash_block_size, **options))
 
 
-def conversations(seed, num=3, turns=4, gap=60):
-    rng = random.Random(seed)
-    system = [rng.randrange(5000) for _ in range(rng.randrange(20, 90))]
-    trace, arrival = [], 1
-    for c in range(num):
-        history = list(system)
-        for t in range(turns):
-            history += [rng.randrange(5000) for _ in range(rng.randrange(1, 40))]
-            out = tuple(rng.randrange(5000) for _ in range(rng.randrange(0, 6)))
-            trace.append(TraceRequest(f"c{c}t{t}", tuple(history), out, arrival))
-            arrival += gap
-            history += out
-    return trace
 
 
 def run_checked(layout, trace, num_blocks=200, budget=64, scheduler_cls=CheckedScheduler, **kw):

@@ -22,6 +22,8 @@ from kvproof.integrations.vllm.engine_harness import EngineHarness, HarnessStall
 from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
 
+from .traces import conversations  # noqa: E402
+
 FA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -137,21 +139,6 @@ def _load_baseline():
     return mod
 
 
-def conversations(seed, num=3, turns=4, gap=60):
-    """Multi-turn chats sharing a system prompt; each turn extends the previous prompt + output.
-    Requests arrive ``gap`` steps apart, so none overlaps another."""
-    rng = random.Random(seed)
-    system = [rng.randrange(5000) for _ in range(rng.randrange(20, 90))]
-    trace, arrival = [], 1
-    for c in range(num):
-        history = list(system)
-        for t in range(turns):
-            history += [rng.randrange(5000) for _ in range(rng.randrange(1, 40))]
-            out = tuple(rng.randrange(5000) for _ in range(rng.randrange(0, 6)))
-            trace.append(TraceRequest(f"c{c}t{t}", tuple(history), out, arrival))
-            arrival += gap
-            history += out
-    return trace
 
 
 @pytest.mark.parametrize("dcp", [1, 2, 4])
