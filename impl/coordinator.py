@@ -10,7 +10,7 @@ from kvproof.impl.block_pool import BlockPool
 from kvproof.impl.eviction import EvictionValuer
 from kvproof.impl.managers import MANAGER_FOR_KIND, SingleTypeManager, StepLedger
 from kvproof.impl.request import Request
-from kvproof.spec.contracts import InvariantViolation
+from kvproof.spec.contracts import InvariantViolation, slow
 from kvproof.spec.joint_hit import fixpoint
 from kvproof.spec.layout import Layout
 from kvproof.spec.groups import GroupKind
@@ -78,6 +78,12 @@ class HybridCoordinator:
         self.miss = Hit(0, tuple([] for _ in self.managers))
         #: Longest request every group's worker row can hold (checked in full only above it).
         self._max_tokens = min(m.max_tokens for m in self.managers)
+        #: request id -> the token count up to which its steps need no block and key nothing in
+        #: any group (``SingleTypeManager.idle_until``, taken after each ``cache`` that did
+        #: work): those steps skip the managers. Most decode steps are such steps.
+        self._idle_until: dict[str, int] = {}
+        #: What an idle step allocates: no entries in any group (never mutated).
+        self._no_entries: tuple[list[int], ...] = tuple([] for _ in self.managers)
 
     # --- lookup ---------------------------------------------------------------------------------
 
@@ -134,6 +140,10 @@ class HybridCoordinator:
                 m.check_width(request, total_tokens)
         managers = self.managers
         if hit is None:
+            if total_tokens <= self._idle_until.get(request.request_id, 0):
+                if slow():
+                    self._check_idle(request, total_tokens)
+                return self._no_entries
             needed = 0
             for m in managers:
                 needed += m.blocks_needed(request, total_tokens, 0, _EMPTY)
@@ -149,6 +159,36 @@ class HybridCoordinator:
         if self.valuer is not None:
             self.valuer.note_resume(request.request_id, n)
         return tuple([m.allocate(request, total_tokens, n, bl) for m, bl in zip(managers, hit.blocks)])
+
+
+    def _check_idle(self, request: Request, total_tokens: int) -> None:
+        """INV-IDLE-STEP (slow tier): a step the coordinator skips needs no block in any group."""
+        for m in self.managers:
+            need = m.blocks_needed(request, total_tokens, 0, _EMPTY)
+            if need:
+                raise InvariantViolation(
+                    "INV-IDLE-STEP",
+                    f"request {request.request_id!r}, group {m.group_id}: a step to {total_tokens} tokens was skipped "
+                    f"as idle (idle until {self._idle_until[request.request_id]}) but needs {need} blocks",
+                )
+
+    # --- after the step -------------------------------------------------------------------------
+
+    def cache(self, request: Request, num_computed: int) -> None:
+        """Mutates. Key what the step computed in every group, unless the request is idle there."""
+        rid = request.request_id
+        if num_computed <= self._idle_until.get(rid, 0):
+            return
+        managers = self.managers
+        for m in managers:
+            m.cache(request, num_computed)
+        self._idle_until[rid] = min([m.idle_until(request, num_computed) for m in managers])
+
+    def free(self, request: Request) -> None:
+        """Mutates. Release every block of ``request`` in every group."""
+        self._idle_until.pop(request.request_id, None)
+        for m in self.managers:
+            m.free(request)
 
 
 #: The hit block list of a running request (never mutated).

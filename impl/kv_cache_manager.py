@@ -160,9 +160,7 @@ class KVCacheManager:
     def cache(self, request: Request) -> None:
         """Mutates. After the forward pass: key what it computed (``request.num_computed_tokens``
         must already count the step's tokens) and release blocks the step no longer needs."""
-        n = request.num_computed_tokens
-        for m in self.managers:
-            m.cache(request, n)
+        self.coordinator.cache(request, request.num_computed_tokens)
         self._in_flight.discard(request.request_id)
 
     def free(self, request: Request) -> None:
@@ -173,8 +171,7 @@ class KVCacheManager:
                 f"request {request.request_id!r} was allocated this step and freed before its step ran; "
                 "its copies would write blocks it no longer holds",
             )
-        for m in self.managers:
-            m.free(request)
+        self.coordinator.free(request)
         if self.valuer is not None:
             self.valuer.forget(request.request_id)
 

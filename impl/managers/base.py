@@ -109,6 +109,14 @@ class SingleTypeManager:
         a = self.alignment
         return range((start // a + 1) * a, min(end, request.hashed_len) + 1, a)
 
+    def idle_until(self, request: Request, num_computed: int) -> int:
+        """The largest token count T such that, right after ``cache(request, num_computed)``,
+        ``allocate`` of any total in ``(num_computed, T]`` takes nothing and returns no
+        entries, and ``cache`` of any such count changes nothing: the steps the coordinator
+        may skip this group for (most decode steps). No state change. This default skips
+        nothing."""
+        return num_computed
+
     def check_width(self, request: Request, total_tokens: int) -> None:
         """INV-TABLE-WIDTH at the scheduler: the row this allocation needs fits the worker row."""
         need = self.row_length(total_tokens)

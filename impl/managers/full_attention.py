@@ -120,11 +120,11 @@ class FullAttentionManager(SingleTypeManager):
         b, h = self.block_size, self.hash_block_size
         hashes = request.block_hashes
         limit = min(num_computed, len(hashes) * h)
+        if limit < self._next_key(rid):
+            return  # nothing new to key (most decode steps)
         full_done, partial_done = self._keyed[rid]
         full = limit // b
         boundary = limit - limit % h
-        if full == full_done and (not self._probe_partial or boundary <= partial_done):
-            return  # nothing new to key (most decode steps)
         if self._every_hash:
             self._key_every_hash(table, hashes, partial_done, boundary)
             self._keyed[rid] = (max(full, full_done), boundary)
@@ -136,6 +136,22 @@ class FullAttentionManager(SingleTypeManager):
                 self.ledger.keyed.add(blk)
             partial_done = boundary
         self._keyed[rid] = (max(full, full_done), partial_done)
+
+    def _next_key(self, rid: str) -> int:
+        """The least hashed length at which ``cache`` has something new to key for ``rid``: the
+        end of the first block without its full key or, with partial hits, the hash boundary
+        after the last one keyed. No state change."""
+        full_done, partial_done = self._keyed[rid]
+        nxt = (full_done + 1) * self.block_size
+        if self._probe_partial:
+            h = self.hash_block_size
+            nxt = min(nxt, partial_done - partial_done % h + h)
+        return nxt
+
+    def idle_until(self, request: Request, num_computed: int) -> int:
+        """Until the row is full or there is something to key, whichever comes first."""
+        rid = request.request_id
+        return min(len(self.tables[rid]) * self.block_size, self._next_key(rid) - 1)
 
     def _key_every_hash(self, table: list[int], hashes, done: int, boundary: int) -> None:
         """Mutates. Key every hash boundary in ``(done, boundary]`` on the block holding it, one

@@ -199,6 +199,22 @@ class MambaManager(SingleTypeManager):
         if self.valuer is not None and pool.key_of(block) == key:
             self.valuer.note_state(rid, self.group_id, n)
 
+    def idle_until(self, request: Request, num_computed: int) -> int:
+        """Until the state leaves its block or reaches a hash boundary (where ``_keeps`` may
+        key it); never while the state block is cached (the next step writes it in place and
+        must copy it first) or a copy or a release is pending."""
+        rid = request.request_id
+        index = self._state_index[rid]
+        if index < 0 or rid in self._pending_move or rid in self._superseded:
+            return num_computed
+        if self.pool.key_of(self.tables[rid][index]) is not None:
+            return num_computed
+        until = (index + 1) * self.block_size
+        if self.group.prefix_cacheable:
+            h = self.hash_block_size
+            until = min(until, num_computed - num_computed % h + h - 1)
+        return until
+
     def _values(self, request_id: str, blocks: list[int]) -> list[float] | None:
         """The compute policy's values of this request's state blocks (None under lru): a cached
         state is worth what it saves over where the request resumed; an uncached block nothing.
@@ -212,7 +228,8 @@ class MambaManager(SingleTypeManager):
         return self._values(request.request_id, blocks)
 
     def _keeps(self, request: Request, n: int) -> bool:
-        """Whether the state after ``n`` computed tokens is keyed (retention, ``spec.retention``)."""
+        """Whether the state after ``n`` computed tokens is keyed (retention, ``spec.retention``);
+        only ever on a hash boundary (``idle_until`` relies on it)."""
         if n % self.hash_block_size or n > request.hashed_len or not self.group.prefix_cacheable:
             return False
         if n % self.block_size and n > request.num_prompt_tokens:

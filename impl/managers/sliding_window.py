@@ -74,6 +74,13 @@ class SlidingWindowManager(SingleTypeManager):
             for j in out:
                 table[j] = NULL_BLOCK
 
+    def idle_until(self, request: Request, num_computed: int) -> int:
+        """Until the row is full, a block is complete (to key), or the window passes the
+        end of the next block to release."""
+        rid, b = request.request_id, self.block_size
+        slide = (self._first_needed(num_computed) + 1) * b + self.window - 1
+        return min(len(self.tables[rid]) * b, (self._keyed[rid] + 1) * b - 1, slide - 1)
+
     def free(self, request: Request) -> None:
         self._keyed.pop(request.request_id, None)
         super().free(request)

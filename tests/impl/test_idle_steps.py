@@ -1,0 +1,162 @@
+"""The coordinator's idle steps (``HybridCoordinator._idle_until``): a running request's step
+that needs no block and keys nothing skips every group's manager. Checked two ways: replays
+with the skip and without it (every manager's ``idle_until`` replaced by the base class's,
+which skips nothing) plan the same steps and leave the pool in the same state after every
+step; and the slow-tier check INV-IDLE-STEP fires when a manager claims an idle range it does
+not have."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvproof.impl.coordinator import HybridCoordinator
+from kvproof.impl.kv_cache_manager import KVCacheManager
+from kvproof.impl.managers import MANAGER_FOR_KIND, SingleTypeManager
+from kvproof.impl.replay import replay
+from kvproof.impl.request import Request
+from kvproof.impl.scheduler import CapacityError
+from kvproof.impl.trace import TraceRequest
+from kvproof.spec import contracts
+from kvproof.spec.contracts import InvariantViolation
+from kvproof.spec.groups import CacheGroup, GroupKind, MambaCacheMode
+from kvproof.spec.layout import LayoutConfig, resolve_layout
+
+from ..conftest import REACH_SETTINGS
+
+
+@st.composite
+def layouts(draw):
+    """Attention (FA or MLA) with, in most layouts, a Mamba group (align mode with or without
+    speculative blocks, or mode 'none') and sometimes a sliding-window group: every manager
+    that has an idle range."""
+    dcp = draw(st.sampled_from([1, 2, 4]))
+    block = draw(st.sampled_from([1, 2, 4, 4]))
+    groups = [CacheGroup(draw(st.sampled_from([GroupKind.FULL_ATTENTION, GroupKind.MLA])), block)]
+    mamba = draw(st.sampled_from(["align", "speculative", "speculative", "none", None]))
+    if mamba is not None:
+        groups.append(CacheGroup(
+            GroupKind.MAMBA, block * draw(st.sampled_from([1, 2, 4])),
+            mamba_cache_mode=MambaCacheMode.NONE if mamba == "none" else MambaCacheMode.ALIGN,
+            num_speculative_blocks=2 if mamba == "speculative" else 0,
+        ))
+    if draw(st.integers(0, 2)) == 0:
+        groups.append(CacheGroup(GroupKind.SLIDING_WINDOW, 4, dcp_sharded=False, sliding_window=draw(st.sampled_from([5, 9]))))
+    finer = block * dcp > 1 and draw(st.booleans())
+    return LayoutConfig(
+        tuple(groups), dcp=dcp, max_model_len=512, hash_block_size=(block // 2 or 1) if finer else None,
+        retention_interval=draw(st.sampled_from([None, 0])),
+        attention_keys=draw(st.sampled_from(["every-hash", "chunk-ends"])),
+    )
+
+
+@st.composite
+def traces(draw):
+    """Requests on shared prefixes with long decodes (the idle steps), some arriving together so
+    that small pools preempt running requests."""
+    fresh = itertools.count(1000)
+    bases = [tuple(next(fresh) for _ in range(draw(st.integers(1, 24)))) for _ in range(2)]
+    trace, arrival = [], 0
+    for i in range(draw(st.integers(1, 6))):
+        prompt = draw(st.sampled_from(bases))[: draw(st.integers(1, 24))] + tuple(next(fresh) for _ in range(draw(st.integers(0, 12))))
+        outputs = tuple(next(fresh) for _ in range(draw(st.integers(0, 40))))
+        arrival += draw(st.sampled_from([0, 1, 3, 40]))
+        trace.append(TraceRequest(f"r{i}", prompt, outputs, arrival))
+    return trace
+
+
+def _run(config, trace, num_blocks, budget, eagle):
+    """Replay; returns what every step planned and the pool after every step (keys and reference
+    counts), the hits, and the replay's end (finished, or the error it raised)."""
+    layout = resolve_layout(config)
+    steps = []
+
+    def on_step(plan, sched):
+        pool = sched.kv.pool
+        chunks = [(c.request.request_id, c.start, c.num_tokens, c.new_blocks, c.overwrite) for c in plan.chunks]
+        state = [(pool.key_of(b), pool.ref_count(b)) for b in range(1, pool.num_blocks)]
+        steps.append((plan.step, chunks, plan.copies, [r.request_id for r in plan.preempted], state))
+
+    try:
+        result = replay(trace, layout, num_blocks=num_blocks, max_num_batched_tokens=budget, use_eagle=eagle, on_step=on_step)
+    except CapacityError as e:
+        return steps, None, f"CapacityError: {e}"
+    return steps, [r.num_cached_tokens for r in result.requests], result.violations
+
+
+@settings(max_examples=150, **REACH_SETTINGS)
+@given(config=layouts(), trace=traces(), num_blocks=st.sampled_from([16, 24, 48, 512]), budget=st.sampled_from([4, 16, 64]),
+       eagle=st.booleans())
+def test_idle_steps_change_nothing(config, trace, num_blocks, budget, eagle, reach, monkeypatch):
+    """Skipping idle steps plans the same steps, copies, preemptions and hits, and leaves the
+    same keys and reference counts in the pool after every step, as running every manager on
+    every step does. The slow switch is on (the suite's default), so every skipped step is also
+    checked by INV-IDLE-STEP."""
+    reach.minimums = {"idle steps skipped": 60, "idle: mamba speculative": 15, "idle: mamba mode none": 10,
+                      "idle: sliding window": 10, "preempted": 5, "idle: eagle": 25}
+    skipped = []
+    check_idle = HybridCoordinator._check_idle
+
+    def counted(self, request, total_tokens):
+        skipped.append(request.request_id)
+        return check_idle(self, request, total_tokens)
+
+    with monkeypatch.context() as m:
+        m.setattr(HybridCoordinator, "_check_idle", counted)
+        with_skip = _run(config, trace, num_blocks, budget, eagle)
+    with monkeypatch.context() as m:
+        for cls in MANAGER_FOR_KIND.values():
+            m.setattr(cls, "idle_until", SingleTypeManager.idle_until)
+        without = _run(config, trace, num_blocks, budget, eagle)
+    assert with_skip[2] in ([], None) or with_skip[2].startswith("CapacityError"), with_skip[2]
+    assert len(with_skip[0]) == len(without[0])
+    for ours, full in zip(with_skip[0], without[0]):
+        assert ours == full, f"step {full[0]} differs with idle steps skipped"
+    assert with_skip[1:] == without[1:]
+    if skipped:
+        reach("idle steps skipped")
+        kinds = {g.kind for g in config.groups}
+        mamba = next((g for g in config.groups if g.kind is GroupKind.MAMBA), None)
+        if mamba is not None and mamba.num_speculative_blocks:
+            reach("idle: mamba speculative")
+        if mamba is not None and mamba.mamba_cache_mode is MambaCacheMode.NONE:
+            reach("idle: mamba mode none")
+        if GroupKind.SLIDING_WINDOW in kinds:
+            reach("idle: sliding window")
+        if eagle:
+            reach("idle: eagle")
+    if any(step[3] for step in with_skip[0]):
+        reach("preempted")
+
+
+def test_a_claimed_idle_range_that_needs_blocks_is_caught():
+    """INV-IDLE-STEP: a manager whose ``idle_until`` overstates its range (here attention
+    claiming every length idle, so its row would stop growing) is caught on the first skipped
+    step that needs a block, with the slow switch on; with it off the skip goes unchecked."""
+    config = LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, 4),), dcp=1, max_model_len=512)
+
+    def run(slow: bool):
+        kv = KVCacheManager(resolve_layout(config), 64)
+        kv.coordinator.managers[0].idle_until = lambda request, num_computed: 1 << 30
+        req = Request("r", tuple(range(6)), kv.layout.hash_block_size)
+        with contracts.slow_checks(slow):
+            kv.begin_step()
+            hit = kv.lookup(req)
+            kv.allocate_slots(req, 6, hit)
+            req.num_computed_tokens = 6
+            kv.cache(req)
+            for token in range(6, 12):
+                req.append_output(100 + token)
+                kv.begin_step()
+                kv.allocate_slots(req, 1)
+                req.num_computed_tokens += 1
+                kv.cache(req)
+        return kv
+
+    with pytest.raises(InvariantViolation, match="INV-IDLE-STEP.*request 'r', group 0: a step to 9 tokens"):
+        run(slow=True)
+    kv = run(slow=False)
+    assert len(kv.coordinator.managers[0].tables["r"]) == 2  # the lie went unnoticed: 12 tokens in 8 slots
