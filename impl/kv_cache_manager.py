@@ -41,6 +41,7 @@ class KVCacheManager:
         self._step = 0
         self._running_tables = self.managers[0].tables  # a request is running iff it has a row
         self._in_flight: set[str] = set()  # allocated this step, not yet cached
+        self._max_model_len = layout.config.max_model_len
         self.num_copies = 0
 
     @property
@@ -128,13 +129,13 @@ class KVCacheManager:
             hit = hit if hit is not None else self.coordinator.miss
             start = hit.num_tokens
         total = start + num_new_tokens
-        if total > request.num_tokens:
+        if total > len(request.token_ids):
             raise ValueError(
                 f"request {request.request_id!r}: {start} + {num_new_tokens} tokens exceed the {request.num_tokens} known tokens"
             )
-        if total > self.layout.config.max_model_len:
+        if total > self._max_model_len:
             raise ValueError(
-                f"request {request.request_id!r}: {total} tokens exceed max_model_len {self.layout.config.max_model_len}"
+                f"request {request.request_id!r}: {total} tokens exceed max_model_len {self._max_model_len}"
             )
         free_before = self.pool.num_free
         result = self.coordinator.allocate(request, total, None if running else hit)
