@@ -160,7 +160,6 @@ class HybridCoordinator:
             self.valuer.note_resume(request.request_id, n)
         return tuple([m.allocate(request, total_tokens, n, bl) for m, bl in zip(managers, hit.blocks)])
 
-
     def _check_idle(self, request: Request, total_tokens: int) -> None:
         """INV-IDLE-STEP (slow tier): a step the coordinator skips needs no block in any group."""
         for m in self.managers:
