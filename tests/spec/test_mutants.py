@@ -61,8 +61,24 @@ def test_the_spec_pool_takes_a_one_token_key_and_refuses_zero():
 
 def test_sliding_window_of_one_token_is_accepted_and_of_zero_refused():
     assert CacheGroup(GroupKind.SLIDING_WINDOW, 4, sliding_window=1).sliding_window == 1
-    with pytest.raises(ValueError, match="sliding window 0 must be a positive number of tokens"):
+    with pytest.raises(ValueError, match="sliding window 0 of a sliding_window group must be a positive integer"):
         CacheGroup(GroupKind.SLIDING_WINDOW, 4, sliding_window=0)
+
+
+@pytest.mark.parametrize("window", [None, True, 1.5, "8"])
+def test_a_sliding_window_group_without_a_whole_window_is_refused(window):
+    """A window-less sliding-window group has no meaning (capacity, the manager and vLLM's spec
+    all read the window): refused at construction (the -O run: tests/spec/test_contracts.py)."""
+    with pytest.raises(ValueError, match=re.escape(f"sliding window {window!r} of a sliding_window group must be a "
+                                                   "positive integer number of tokens")):
+        CacheGroup(GroupKind.SLIDING_WINDOW, 4, sliding_window=window)
+
+
+@pytest.mark.parametrize("kind", [GroupKind.FULL_ATTENTION, GroupKind.MLA, GroupKind.MAMBA])
+def test_only_a_sliding_window_group_takes_a_window(kind):
+    assert CacheGroup(kind, 4).sliding_window is None
+    with pytest.raises(ValueError, match=f"sliding_window given for a {kind.value} group"):
+        CacheGroup(kind, 4, sliding_window=8)
 
 
 @pytest.mark.parametrize("value", [
