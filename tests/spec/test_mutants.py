@@ -339,3 +339,16 @@ def test_a_key_stamped_now_or_later_is_inconsistent_and_move_key_names_bad_block
     for src, dst in ((99, b), (b, 99), (-1, b), (other, b), (b, third)):  # dst keyed, or src without a key
         with pytest.raises(ValueError, match="move_key"):
             spec_pool.move_key(keyed, src, dst)
+
+
+@pytest.mark.parametrize("speculative", [0, 2])
+def test_a_capacity_rule_that_forgets_the_mamba_state_block_breaks_the_rule(speculative):
+    """INV-CAPACITY-ALONE: a Mamba group holds its state block beside its speculative ones."""
+    from kvproof.spec.capacity import blocks_alone
+
+    lay = resolve_layout(LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, 16),
+                                       CacheGroup(GroupKind.MAMBA, 16, num_speculative_blocks=speculative))))
+    assert blocks_alone(lay, 20) == (2, 1 + speculative)
+    stateless = guard_like(blocks_alone, lambda layout, num_tokens: (2, speculative))
+    with pytest.raises(icontract.ViolationError, match="INV-CAPACITY-ALONE"):
+        stateless(lay, 20)
