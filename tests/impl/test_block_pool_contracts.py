@@ -17,6 +17,7 @@ import importlib.util
 import inspect
 import itertools
 import pathlib
+import re
 import tempfile
 
 import icontract
@@ -243,6 +244,17 @@ def test_check_names_the_broken_invariant(label):
     with pytest.raises(InvariantViolation) as exc_info:
         pool._check()
     assert exc_info.value.inv_id == label.split(" ")[0], violation(exc_info)
+
+
+@pytest.mark.parametrize("target", ["null", "head"])
+def test_check_names_a_free_queue_that_runs_into_a_sentinel_or_the_null_block(target):
+    """The queue walk stops at the first id that is not a real block -- the null block 0, or the
+    head sentinel ``num_blocks`` (a queue closed into a ring) -- and names it."""
+    pool = block_pool_module.BlockPool(4)  # queue: head -> 1 -> 2 -> 3 -> tail
+    bad = 0 if target == "null" else pool._head
+    pool._next[2] = bad
+    with pytest.raises(InvariantViolation, match=re.escape(f"free queue reaches id {bad} after 2 blocks")):
+        pool._check()
 
 
 def test_allocate_catches_a_referenced_block_in_the_free_queue_cheaply():
