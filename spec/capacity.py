@@ -33,7 +33,7 @@ def _holds_what_it_must(layout: Layout, num_tokens: int, result: tuple[int, ...]
         if kind is GroupKind.MAMBA:
             ok = count >= 1 + gl.group.num_speculative_blocks
         elif kind is GroupKind.SLIDING_WINDOW:
-            ok = count * b >= min(num_tokens, gl.group.sliding_window or 1) and count <= cdiv(num_tokens, b)
+            ok = count * b >= min(num_tokens, gl.group.sliding_window) and count <= cdiv(num_tokens, b)
         else:
             ok = count * b >= num_tokens > (count - 1) * b
         if not ok:
@@ -46,7 +46,7 @@ def _group_blocks(gl: GroupLayout, n: int) -> int:
     if gl.group.kind is GroupKind.MAMBA:
         return 1 + gl.group.num_speculative_blocks
     if gl.group.kind is GroupKind.SLIDING_WINDOW:
-        window = gl.group.sliding_window or 1
+        window = gl.group.sliding_window
         return cdiv(n, b) - max(0, n - window) // b
     return cdiv(n, b)
 

@@ -69,6 +69,8 @@ class CacheGroup:
     ``None`` for the kind's default: attention kinds are sharded, Mamba is replicated.
     ``mamba_cache_mode`` and ``num_speculative_blocks`` only mean something for Mamba.
     ``token_alignment`` pads the block-table width (128 for attention; ``None`` for Mamba).
+    ``sliding_window`` (tokens, >= 1) is required for a sliding-window group and refused for
+    every other kind.
     """
 
     kind: GroupKind
@@ -91,11 +93,15 @@ class CacheGroup:
             raise ValueError(
                 f"num_speculative_blocks {self.num_speculative_blocks!r} must be a non-negative integer"
             )
-        if self.sliding_window is not None:
-            if self.kind is not GroupKind.SLIDING_WINDOW:
-                raise ValueError(f"sliding_window given for a {self.kind.value} group; only sliding_window groups have one")
-            if self.sliding_window <= 0:
-                raise ValueError(f"sliding window {self.sliding_window} must be a positive number of tokens")
+        window = self.sliding_window
+        if self.kind is GroupKind.SLIDING_WINDOW:
+            # No default window: capacity, the manager and vLLM's spec all read it.
+            if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+                raise ValueError(
+                    f"sliding window {window!r} of a sliding_window group must be a positive integer number of tokens"
+                )
+        elif window is not None:
+            raise ValueError(f"sliding_window given for a {self.kind.value} group; only sliding_window groups have one")
 
     @property
     def is_sharded(self) -> bool:

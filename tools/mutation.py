@@ -65,7 +65,8 @@ TESTS = {
                           "tests/spec/test_contracts.py::test_replay_slow_turns_the_switch_on_for_the_run",
                           "tests/impl/test_block_pool_contracts.py", "tests/spec/test_geometry_contracts.py",
                           "tests/spec/test_mutants.py"),
-    "impl/block_pool.py": ("tests/spec/test_mutants.py", "tests/impl/test_block_pool.py", "tests/impl/test_block_pool_contracts.py",
+    "impl/block_pool.py": ("tests/spec/test_mutants.py", "tests/impl/test_mutants_block_pool.py", "tests/impl/test_block_pool.py",
+                           "tests/impl/test_block_pool_contracts.py", "tests/impl/test_eviction.py",
                            "tests/impl/test_block_pool_machine.py"),
     "spec/chunk_split.py": ("tests/spec/test_chunk_split.py", "tests/spec/test_mutants.py"),
     "spec/capacity.py": ("tests/spec/test_capacity.py", "tests/spec/test_mutants.py"),
@@ -75,7 +76,8 @@ TESTS = {
 }
 #: The scheduler side: scenarios first (a killed mutant stops at its first failure), the
 #: coordinator's state machine (30 examples under the mutation profile) last.
-SCHEDULER_TESTS = ("tests/impl/test_mutants_coordinator.py", "tests/impl/test_mutants_sliding_window.py",
+SCHEDULER_TESTS = ("tests/impl/test_mutants_coordinator.py", "tests/impl/test_mutants_managers.py",
+                   "tests/impl/test_mutants_sliding_window.py",
                    "tests/impl/test_coordinator_scenarios.py", "tests/impl/test_admission.py", "tests/impl/test_retention.py",
                    "tests/impl/test_oracle_teeth.py", "tests/impl/test_coordinator_machine.py")
 for _module in ("impl/coordinator.py", "impl/managers/base.py", "impl/managers/full_attention.py", "impl/managers/mamba.py",

@@ -18,7 +18,7 @@ class SlidingWindowManager(SingleTypeManager):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.window = self.group.sliding_window or 1
+        self.window = self.group.sliding_window
         self._keyed: dict[str, int] = {}
 
     def _first_needed(self, n: int) -> int:

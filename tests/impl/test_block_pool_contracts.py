@@ -4,15 +4,20 @@ Three ways to make a contract fire:
 * bad input: the cheap tier (plain code, always on) raises ValueError starting with the id;
 * corrupted state: ``_check()`` (slow tier) raises InvariantViolation with the id;
 * seeded bugs: impl/block_pool.py is loaded afresh with one line mutated and the slow tier
-  forced on, and the icontract postcondition carrying the id must catch the bug. The mutated
-  line must exist, so a refactor that removes it makes the test fail instead of passing vacuously.
+  forced on (or off, for the cheap-tier postconditions, which must catch the bug alone), and
+  the icontract postcondition carrying the id must catch the bug. The mutated line must exist,
+  so a refactor that removes it makes the test fail instead of passing vacuously. The source is
+  the module as imported (``inspect.getsource``), so a changed contract line -- what
+  tools/mutation.py makes -- is what the seeded bug meets.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import itertools
 import pathlib
+import re
 import tempfile
 
 import icontract
@@ -22,20 +27,20 @@ import kvproof.impl.block_pool as block_pool_module
 from kvproof.spec import contracts
 from kvproof.spec.contracts import InvariantViolation
 
-SOURCE = pathlib.Path(block_pool_module.__file__).read_text()
+SOURCE = inspect.getsource(block_pool_module)
 _fresh = itertools.count()
 _MUTANT_DIR = pathlib.Path(tempfile.mkdtemp(prefix="kvproof-mutants-"))
 
 
-def pool_module(monkeypatch, mutate: tuple[str, str] | None = None):
-    """impl/block_pool.py loaded under a new name with the slow switch on, optionally with one
-    source fragment replaced (it must occur exactly once)."""
+def pool_module(monkeypatch, mutate: tuple[str, str] | None = None, slow: bool = True):
+    """impl/block_pool.py loaded under a new name with the slow switch set to ``slow``,
+    optionally with one source fragment replaced (it must occur exactly once)."""
     source = SOURCE
     if mutate is not None:
         old, new = mutate
         assert source.count(old) == 1, f"mutation target not found exactly once: {old!r}"
         source = source.replace(old, new)
-    monkeypatch.setattr(contracts, "_slow", True)
+    monkeypatch.setattr(contracts, "_slow", slow)
     name = f"kvproof_block_pool_mutant_{next(_fresh)}"
     # A real file, because icontract reads the conditions' source to word its violations.
     path = _MUTANT_DIR / f"{name}.py"
@@ -131,6 +136,63 @@ def test_unmutated_module_passes_the_same_drives(monkeypatch):
         drive(pool_module(monkeypatch).BlockPool(4))
 
 
+# The cheap-tier postconditions (above ``@slow_tier``) stay on with the slow switch off, so with
+# it off each must catch its seeded bug by itself (no whole-pool check runs to help).
+def _prefixed(pool):
+    """Blocks 1 and 2 held; block 1 keyed at 4 tokens with a prefix key at 2."""
+    pool.allocate(2)
+    pool.cache_partial(1, ("k2", 0), 2, keep_prefixes=True)
+    pool.cache_full(1, ("k4", 0), 4, keep_prefixes=True)
+
+
+CHEAP_BUGS = {
+    "src keeps its key": (
+        "INV-POOL-KEY-CONSISTENT: the keys moved",
+        ("        self._key[src], self._ntok[src] = None, 0\n", ""),
+        lambda pool: (pool.allocate(2), pool.cache_full(1, ("k", 0), 2), pool.move_key(1, 2)),
+    ),
+    "dst gets no key": (
+        "INV-POOL-KEY-CONSISTENT: the keys moved",
+        ("        self._key[dst], self._ntok[dst] = self._key[src], self._ntok[src]\n", ""),
+        lambda pool: (pool.allocate(2), pool.cache_full(1, ("k", 0), 2), pool.move_key(1, 2)),
+    ),
+    "src keeps its prefix keys": (
+        "INV-POOL-KEY-CONSISTENT: the keys moved",
+        ("        moved = self._prefixes.pop(src, None)\n", "        moved = self._prefixes.get(src)\n"),
+        lambda pool: (_prefixed(pool), pool.move_key(1, 2)),
+    ),
+    "evict keeps a prefix key": (
+        "INV-POOL-PREFIX-KEYS: evicted blocks have no key",
+        ("        extra = self._prefixes.pop(block, None)\n", "        extra = self._prefixes.get(block)\n"),
+        lambda pool: (_prefixed(pool), pool.evict([1])),
+    ),
+    "reset of a busy pool": (
+        "INV-POOL-RESET-IDLE: reset succeeds exactly when no real block is in use",
+        ("        if self._num_free != self._num_blocks - 1:\n            return False\n", ""),
+        lambda pool: (pool.allocate(1), pool.reset()),
+    ),
+    "reset keeps the key map": (
+        "INV-POOL-KEY-CONSISTENT: a successful reset drops every key",
+        ("        self._holders.clear()\n", ""),
+        lambda pool: (pool.allocate(1), pool.cache_full(1, ("k", 0), 2), pool.free([1]), pool.reset()),
+    ),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(CHEAP_BUGS))
+def test_a_cheap_postcondition_catches_its_seeded_bug_with_the_slow_switch_off(monkeypatch, bug):
+    description, mutation, drive = CHEAP_BUGS[bug]
+    pool = pool_module(monkeypatch, mutation, slow=False).BlockPool(4)
+    with pytest.raises(icontract.ViolationError) as exc_info:
+        drive(pool)
+    assert description in violation(exc_info), violation(exc_info)
+
+
+def test_unmutated_module_passes_the_cheap_drives_with_the_slow_switch_off(monkeypatch):
+    for _, _, drive in CHEAP_BUGS.values():
+        drive(pool_module(monkeypatch, slow=False).BlockPool(4))
+
+
 def test_slow_tier_whole_pool_check_runs_after_each_verb(monkeypatch):
     """With SLOW on, a corruption is caught by the next verb's whole-pool postcondition."""
     pool = pool_module(monkeypatch).BlockPool(4)
@@ -182,6 +244,17 @@ def test_check_names_the_broken_invariant(label):
     with pytest.raises(InvariantViolation) as exc_info:
         pool._check()
     assert exc_info.value.inv_id == label.split(" ")[0], violation(exc_info)
+
+
+@pytest.mark.parametrize("target", ["null", "head"])
+def test_check_names_a_free_queue_that_runs_into_a_sentinel_or_the_null_block(target):
+    """The queue walk stops at the first id that is not a real block -- the null block 0, or the
+    head sentinel ``num_blocks`` (a queue closed into a ring) -- and names it."""
+    pool = block_pool_module.BlockPool(4)  # queue: head -> 1 -> 2 -> 3 -> tail
+    bad = 0 if target == "null" else pool._head
+    pool._next[2] = bad
+    with pytest.raises(InvariantViolation, match=re.escape(f"free queue reaches id {bad} after 2 blocks")):
+        pool._check()
 
 
 def test_allocate_catches_a_referenced_block_in_the_free_queue_cheaply():

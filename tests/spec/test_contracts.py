@@ -84,6 +84,7 @@ cases = [
     (lambda: arith.cdiv(1, 0), "cdiv divisor 0 must be > 0"),
     (lambda: geometry.effective_block_size(CacheGroup(GroupKind.MAMBA, 4, dcp_sharded=True), 2), "INV-GEOM-MAMBA-REPLICATED"),
     (lambda: geometry.max_num_blocks_per_req(CacheGroup(GroupKind.MAMBA, 4), 1, 0), "max_model_len 0 must be > 0"),
+    (lambda: CacheGroup(GroupKind.SLIDING_WINDOW, 4), "sliding window None of a sliding_window group must be a positive"),
     (lambda: placement.owner_rank(-1, 2, 1), "position -1 must be >= 0"),
     (lambda: placement.local_seq_len(4, 2, 2, 1), "rank 2 must lie in [0, dcp 2)"),
 ]
@@ -104,7 +105,7 @@ print("ok", len(cases))
 def test_bad_input_is_refused_under_python_O():
     env = {k: v for k, v in os.environ.items() if k != "ICONTRACT_SLOW"}
     proc = subprocess.run([sys.executable, "-O", "-c", BAD_INPUT], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.startswith("ok 13"), proc.stdout + proc.stderr
+    assert proc.returncode == 0 and proc.stdout.startswith("ok 14"), proc.stdout + proc.stderr
 
 
 def test_the_thorough_profile_reaches_every_property_test(tmp_path):

@@ -179,7 +179,9 @@ def groups_(draw):
     mode = draw(st.sampled_from(list(MambaCacheMode))) if kind is MAMBA else MambaCacheMode.ALIGN
     sharded = None if kind is not SWA else False  # a sharded window is invalid under DCP
     sp = draw(st.integers(0, 8)) if kind is MAMBA else 0
-    return CacheGroup(kind, draw(block_sizes), dcp_sharded=sharded, mamba_cache_mode=mode, num_speculative_blocks=sp)
+    window = draw(st.integers(1, 1 << 20)) if kind is SWA else None
+    return CacheGroup(kind, draw(block_sizes), dcp_sharded=sharded, mamba_cache_mode=mode, num_speculative_blocks=sp,
+                      sliding_window=window)
 
 
 @settings(max_examples=300)

@@ -61,8 +61,24 @@ def test_the_spec_pool_takes_a_one_token_key_and_refuses_zero():
 
 def test_sliding_window_of_one_token_is_accepted_and_of_zero_refused():
     assert CacheGroup(GroupKind.SLIDING_WINDOW, 4, sliding_window=1).sliding_window == 1
-    with pytest.raises(ValueError, match="sliding window 0 must be a positive number of tokens"):
+    with pytest.raises(ValueError, match="sliding window 0 of a sliding_window group must be a positive integer"):
         CacheGroup(GroupKind.SLIDING_WINDOW, 4, sliding_window=0)
+
+
+@pytest.mark.parametrize("window", [None, True, 1.5, "8"])
+def test_a_sliding_window_group_without_a_whole_window_is_refused(window):
+    """A window-less sliding-window group has no meaning (capacity, the manager and vLLM's spec
+    all read the window): refused at construction (the -O run: tests/spec/test_contracts.py)."""
+    with pytest.raises(ValueError, match=re.escape(f"sliding window {window!r} of a sliding_window group must be a "
+                                                   "positive integer number of tokens")):
+        CacheGroup(GroupKind.SLIDING_WINDOW, 4, sliding_window=window)
+
+
+@pytest.mark.parametrize("kind", [GroupKind.FULL_ATTENTION, GroupKind.MLA, GroupKind.MAMBA])
+def test_only_a_sliding_window_group_takes_a_window(kind):
+    assert CacheGroup(kind, 4).sliding_window is None
+    with pytest.raises(ValueError, match=f"sliding_window given for a {kind.value} group"):
+        CacheGroup(kind, 4, sliding_window=8)
 
 
 @pytest.mark.parametrize("value", [
@@ -323,3 +339,16 @@ def test_a_key_stamped_now_or_later_is_inconsistent_and_move_key_names_bad_block
     for src, dst in ((99, b), (b, 99), (-1, b), (other, b), (b, third)):  # dst keyed, or src without a key
         with pytest.raises(ValueError, match="move_key"):
             spec_pool.move_key(keyed, src, dst)
+
+
+@pytest.mark.parametrize("speculative", [0, 2])
+def test_a_capacity_rule_that_forgets_the_mamba_state_block_breaks_the_rule(speculative):
+    """INV-CAPACITY-ALONE: a Mamba group holds its state block beside its speculative ones."""
+    from kvproof.spec.capacity import blocks_alone
+
+    lay = resolve_layout(LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, 16),
+                                       CacheGroup(GroupKind.MAMBA, 16, num_speculative_blocks=speculative))))
+    assert blocks_alone(lay, 20) == (2, 1 + speculative)
+    stateless = guard_like(blocks_alone, lambda layout, num_tokens: (2, speculative))
+    with pytest.raises(icontract.ViolationError, match="INV-CAPACITY-ALONE"):
+        stateless(lay, 20)
