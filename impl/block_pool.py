@@ -700,7 +700,7 @@ class BlockPool:
 
     def _reject_other_length(self, key: Key, holder: int, num_tokens: int, what: str) -> None:
         raise ValueError(
-            f"INV-POOL-KEY-LENGTH: {what}: key already names a {self._ntok[holder]}-token prefix "
+            f"INV-POOL-KEY-LENGTH: {what}: key already names a {self._length_of(key, holder)}-token prefix "
             f"(block {holder}), not {num_tokens} tokens"
         )
 

@@ -63,3 +63,22 @@ def test_a_key_held_twice_refuses_another_length_naming_what_a_hit_on_it_returns
                                                    "(block 1), not 2 tokens")):
         call(pool)
     assert pool.keys_of(3) == () and pool.holders(("k", 0)) == (1, 2)
+
+
+@pytest.mark.parametrize("verb, call", [
+    ("cache_full", lambda pool: pool.cache_full(3, ("k", 0), 2)),
+    ("cache_partial", lambda pool: pool.cache_partial(3, ("k", 0), 2)),
+    ("grow_keys", lambda pool: pool.grow_keys(3, [(("k", 0), 2)])),
+])
+def test_a_key_whose_oldest_holder_keeps_it_as_a_prefix_key_is_named_with_its_own_length(verb, call):
+    """The other order: the oldest holder carries the key as a prefix key under a 6-token primary;
+    the refusal still names the 4 tokens the key stands for, not the holder's primary length."""
+    pool = BlockPool(5)
+    pool.allocate(3)
+    pool.cache_partial(1, ("k", 0), 4, keep_prefixes=True)
+    pool.cache_full(1, ("k6", 0), 6, keep_prefixes=True)
+    assert pool.holders(("k", 0)) == (1,) and pool.key_of(1) == ("k6", 0)
+    with pytest.raises(ValueError, match=re.escape(f"INV-POOL-KEY-LENGTH: {verb}: key already names a 4-token prefix "
+                                                   "(block 1), not 2 tokens")):
+        call(pool)
+    assert pool.keys_of(3) == ()
