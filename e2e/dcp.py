@@ -238,9 +238,28 @@ def rank_context() -> multiprocessing.context.BaseContext:
     ctx.set_forkserver_preload(list(_PRELOAD))
     # Started here (once per process) so that it inherits these variables; its socket lives
     # in multiprocessing's temporary directory, which the server removes when it ends.
-    with _environment(OMP_NUM_THREADS="1", KVPROOF_FORKSERVER_DIR=_socket_temp_dir()):
+    with _environment(OMP_NUM_THREADS="1", KVPROOF_FORKSERVER_DIR=_socket_temp_dir()), _sigint_ignored_by_children():
         multiprocessing.forkserver.ensure_running()
     return ctx
+
+
+@contextlib.contextmanager
+def _sigint_ignored_by_children() -> Iterator[None]:
+    """Processes started in the block begin with SIGINT ignored (an ignored signal stays ignored
+    across exec, and Python then keeps it so): the fork server hands that to every rank from
+    its first instruction, so a Ctrl-C to the process group can never interrupt a rank that has
+    not yet reached ``_rank_main``. Here a Ctrl-C meanwhile is held and delivered after the
+    block (main thread, POSIX). Only SIGINT: a held signal stays held in the children too."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 #: ``sun_path`` holds 108 bytes; the server's socket is ``<tmp>/pymp-XXXXXXXX/listener-XXXXXXXX``.

@@ -4,6 +4,7 @@ break the rank processes' fork server: its socket goes under /tmp instead."""
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 
 import pytest
@@ -42,3 +43,17 @@ def test_without_a_writable_tmp_the_error_names_the_directory(tmp_path, monkeypa
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     with pytest.raises(ValueError, match=r"is too long for the rank processes' Unix socket .* set TMPDIR to a shorter"):
         dcp._socket_temp_dir()
+
+
+def test_ranks_start_with_ctrl_c_ignored():
+    """A rank forked by the fork server begins with SIGINT ignored, before any kvproof code runs
+    in it: a Ctrl-C to the process group while ranks start cannot print a half traceback
+    ("Process kvproof-rank-0:") or end a rank the caller has not decided to stop. The child
+    here raises SIGINT at itself as its first act; ignored, it exits 0."""
+    ctx = dcp.rank_context()
+    if ctx.get_start_method() != "forkserver":
+        pytest.skip("ranks are spawned, not forked, on this platform")
+    p = ctx.Process(target=signal.raise_signal, args=(signal.SIGINT,))
+    p.start()
+    p.join(30)
+    assert p.exitcode == 0
