@@ -43,7 +43,7 @@ class HybridCoordinator:
     once, as a warning naming the groups that force it.
     """
 
-    def __init__(self, layout: Layout, pool: BlockPool, use_eagle: bool = False, valuer: EvictionValuer | None = None) -> None:
+    def __init__(self, layout: Layout, pool: BlockPool, *, use_eagle: bool, valuer: EvictionValuer | None) -> None:
         self.layout = layout
         self.pool = pool
         self.valuer = valuer
@@ -100,8 +100,6 @@ class HybridCoordinator:
             return self.miss
         finders = [lambda n, m=m: m.find_hit(request, n) for m in self._lookup_order]
         hit, found, longest, _ = fixpoint(finders, hit)
-        if hit == 0 and longest == 0:
-            return self.miss
         blocks = [[] for _ in self.managers] if hit == 0 else [None] * len(self.managers)
         if hit:
             for m, bl in zip(self._lookup_order, found):
@@ -125,7 +123,11 @@ class HybridCoordinator:
 
     # --- allocation -----------------------------------------------------------------------------
 
-    def blocks_needed(self, request: Request, total_tokens: int, hit: Hit) -> int:
+    def blocks_needed(self, request: Request, total_tokens: int, hit: Hit | None) -> int:
+        """Free-queue blocks ``allocate`` would take (``hit`` None: a running request). No state
+        change."""
+        if hit is None:
+            return sum(m.grow_needed(request, total_tokens) for m in self.managers)
         return sum(
             m.blocks_needed(request, total_tokens, hit.num_tokens, bl) for m, bl in zip(self.managers, hit.blocks)
         )
@@ -146,10 +148,10 @@ class HybridCoordinator:
                 return self._no_entries
             needed = 0
             for m in managers:
-                needed += m.blocks_needed(request, total_tokens, 0, _EMPTY)
+                needed += m.grow_needed(request, total_tokens)
             if needed > self.pool.num_free:
                 return None
-            return tuple([m.allocate(request, total_tokens, 0, _EMPTY) for m in managers])
+            return tuple([m.grow(request, total_tokens) for m in managers])
         if self.blocks_needed(request, total_tokens, hit) > self.pool.num_free:
             return None
         # Take every group's hit blocks out of the free queue before any group allocates, or a
@@ -163,7 +165,7 @@ class HybridCoordinator:
     def _check_idle(self, request: Request, total_tokens: int) -> None:
         """INV-IDLE-STEP (slow tier): a step the coordinator skips needs no block in any group."""
         for m in self.managers:
-            need = m.blocks_needed(request, total_tokens, 0, _EMPTY)
+            need = m.grow_needed(request, total_tokens)
             if need:
                 raise InvariantViolation(
                     "INV-IDLE-STEP",
@@ -189,6 +191,3 @@ class HybridCoordinator:
         for m in self.managers:
             m.free(request)
 
-
-#: The hit block list of a running request (never mutated).
-_EMPTY: list[int] = []

@@ -14,7 +14,7 @@ derandomized examples), so a run is repeatable.
     python tools/mutation.py spec/geometry.py --list-survivors
 
 Prints one row per module (mutants generated, run, killed, score) and, with
-``--list-survivors``, each surviving mutant as ``path:line operator: the changed line``.
+``--list-survivors``, each surviving mutant as ``path:line operator: the line -> the mutated line``.
 ``--sample N`` runs N mutants per module drawn with a fixed seed: an estimate of the score for
 modules too large to run whole on a small machine.
 """
@@ -221,8 +221,8 @@ def main(argv=None) -> int:
             while todo and len(running) < args.jobs:
                 op, occurrence, line, code = todo.pop()
                 pid = start(tests, (name, str(path), code))
-                running[pid] = (op, line, time.monotonic() + timeout)
-            for pid, (op, line, deadline) in list(running.items()):
+                running[pid] = (op, line, code.splitlines()[line - 1].strip(), time.monotonic() + timeout)
+            for pid, (op, line, mutated, deadline) in list(running.items()):
                 done, status = os.waitpid(pid, os.WNOHANG)
                 if not done and time.monotonic() > deadline:
                     os.killpg(pid, signal.SIGKILL)
@@ -233,7 +233,7 @@ def main(argv=None) -> int:
                     if os.waitstatus_to_exitcode(status) != 0:
                         killed += 1
                     else:
-                        survivors.append(f"{module}:{line} {op}: {lines[line - 1].strip()}")
+                        survivors.append(f"{module}:{line} {op}: {lines[line - 1].strip()}  ->  {mutated}")
                         if args.list_survivors:  # also as they come: a long run can be read (or stopped) early
                             print(f"  survives {survivors[-1]}", file=sys.stderr, flush=True)
             time.sleep(0.05)

@@ -63,8 +63,9 @@ class SingleTypeManager:
     """Block tables of one cache group. Subclasses define lookup, sizing and caching.
 
     ``tables[request_id]`` is the request's row in this group, one entry per effective block
-    (``NULL_BLOCK`` where nothing is kept). Verbs mutate; ``find_hit`` and ``blocks_needed`` do
-    not.
+    (``NULL_BLOCK`` where nothing is kept). A request without a row is admitted
+    (``blocks_needed`` / ``allocate``, with its hit); a request with one grows (``grow_needed`` /
+    ``grow``). Verbs mutate; ``find_hit`` and the ``*_needed`` queries do not.
     """
 
     def __init__(
@@ -98,9 +99,15 @@ class SingleTypeManager:
         raise NotImplementedError
 
     def blocks_needed(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> int:
-        """Free-queue blocks ``allocate`` would consume: fresh blocks plus evictable hit blocks
-        (touching a ref-0 cached block takes it out of the free queue). No state change."""
+        """Free-queue blocks ``allocate`` would consume for a request without a row: fresh
+        blocks plus evictable hit blocks (touching a ref-0 cached block takes it out of the free
+        queue). No state change."""
         raise NotImplementedError
+
+    def grow_needed(self, request: Request, total_tokens: int) -> int:
+        """Free-queue blocks ``grow`` would take for a request with a row (this default: the
+        blocks its row lacks). No state change."""
+        return max(self.row_length(total_tokens) - len(self.tables[request.request_id]), 0)
 
     def keyed_lengths(self, request: Request, start: int, end: int) -> Sequence[int]:
         """The lengths in ``(start, end]`` at which, once a chunk computing ``[start, end)`` of
@@ -142,9 +149,14 @@ class SingleTypeManager:
     # --- verbs ----------------------------------------------------------------------------------
 
     def allocate(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> list[int]:
-        """Mutates. Give the request blocks for ``total_tokens`` tokens. Returns the entries to
-        append to the worker row (the whole row for a new request)."""
+        """Mutates. Give a request without a row, resuming after its hit of ``hit_len`` tokens on
+        ``hit_blocks``, a row for ``total_tokens`` tokens; returns the whole row."""
         raise NotImplementedError
+
+    def grow(self, request: Request, total_tokens: int) -> list[int]:
+        """Mutates. Extend a running request's row to ``total_tokens`` tokens; returns the
+        entries to append to the worker row (this default: fresh blocks at the end)."""
+        return self._grow(self.tables[request.request_id], total_tokens)
 
     def cache(self, request: Request, num_computed: int) -> None:
         """Mutates. Key what the forward pass just computed (called after the step ran)."""

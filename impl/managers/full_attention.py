@@ -84,33 +84,26 @@ class FullAttentionManager(SingleTypeManager):
     # --- allocation -----------------------------------------------------------------------------
 
     def blocks_needed(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> int:
-        want = self.row_length(total_tokens)
-        table = self.tables.get(request.request_id)
-        if table is not None:
-            return max(want - len(table), 0)
         cow = 1 if hit_len % self.block_size else 0
-        return max(want - len(hit_blocks), 0) + cow + self._evictable(hit_blocks)
+        return max(self.row_length(total_tokens) - len(hit_blocks), 0) + cow + self._evictable(hit_blocks)
 
     def allocate(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> list[int]:
         rid = request.request_id
-        table = self.tables.get(rid)
-        if table is None:
-            table = list(hit_blocks)  # the coordinator has touched them
-            if hit_len % self.block_size:
-                # Copy-on-write: the source's owner keeps appending to it; we take a copy of
-                # its first ``hit_len % B`` positions (on every rank's shard) and append to that.
-                src = table[-1]
-                dst = self._fresh(1)[0]
-                self.ledger.add_copy(self.group_id, rid, src, dst)
-                self.ledger.retained.append(src)  # our hit reference, dropped after the copy ran
-                table[-1] = dst
-            self.tables[rid] = table
-            # Every-hash keying starts after the hit: the boundaries below it already have keys
-            # (on the hit's blocks), and the copy-on-write block's would only duplicate them.
-            self._keyed[rid] = (hit_len // self.block_size, hit_len if self._every_hash else 0)
-            self._grow(table, total_tokens)
-            return list(table)
-        return self._grow(table, total_tokens)
+        table = list(hit_blocks)  # the coordinator has touched them
+        if hit_len % self.block_size:
+            # Copy-on-write: the source's owner keeps appending to it; we take a copy of its
+            # first ``hit_len % B`` positions (on every rank's shard) and append to that.
+            src = table[-1]
+            [dst] = self._fresh(1)
+            self.ledger.add_copy(self.group_id, rid, src, dst)
+            self.ledger.retained.append(src)  # our hit reference, dropped after the copy ran
+            table[-1] = dst
+        self.tables[rid] = table
+        # Every-hash keying starts after the hit: the boundaries below it already have keys (on
+        # the hit's blocks), and the copy-on-write block's would only duplicate them.
+        self._keyed[rid] = (hit_len // self.block_size, hit_len if self._every_hash else 0)
+        self._grow(table, total_tokens)
+        return list(table)
 
     # --- caching --------------------------------------------------------------------------------
 
@@ -144,8 +137,7 @@ class FullAttentionManager(SingleTypeManager):
         full_done, partial_done = self._keyed[rid]
         nxt = (full_done + 1) * self.block_size
         if self._probe_partial:
-            h = self.hash_block_size
-            nxt = min(nxt, partial_done - partial_done % h + h)
+            nxt = min(nxt, partial_done + self.hash_block_size)  # partial_done is a hash boundary (or 0)
         return nxt
 
     def idle_until(self, request: Request, num_computed: int) -> int:
@@ -179,13 +171,14 @@ class FullAttentionManager(SingleTypeManager):
 
     def check_keys(self) -> None:
         """INV-KEYS-PER-BLOCK (slow tier, O(keys of the tables' blocks)): every key of row block
-        j names a multiple of H in ``(j*B, (j+1)*B]``, so a block carries at most ``B / H`` keys
-        (``block_size * dcp / H`` for a sharded group). No state change."""
+        j names a multiple of H in ``(j*B, (j+1)*B]``. The pool keeps a block's key lengths
+        distinct (each key must cover more than the block did), so a block carries at most
+        ``B / H`` keys (``block_size * dcp / H`` for a sharded group). No state change."""
         b, h, keys_of = self.block_size, self.hash_block_size, self.pool.keys_of
         for rid, table in self.tables.items():
             for j, blk in enumerate(table):
                 lengths = [n for _, n in keys_of(blk)]
-                if len(lengths) > b // h or any(n % h or not j * b < n <= (j + 1) * b for n in lengths):
+                if any(n % h or not j * b < n <= (j + 1) * b for n in lengths):
                     raise InvariantViolation(
                         "INV-KEYS-PER-BLOCK",
                         f"group {self.group_id}, request {rid!r}: block {blk} at row index {j} has keys of lengths "

@@ -94,37 +94,38 @@ class MambaManager(SingleTypeManager):
         return [i for i in range(index + 1, min(new_index, len(table))) if table[i] != NULL_BLOCK]
 
     def blocks_needed(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> int:
-        b = self.block_size
-        new_index = -(-total_tokens // b) - 1
-        rid = request.request_id
-        table = self.tables.get(rid)
-        if table is not None:
-            index = self._state_index[rid]
-            if new_index > index:
-                return self._fresh_needed(table, index, new_index)
-            return 1 if self.pool.key_of(table[new_index]) is not None else 0
-        cow = 1 if hit_len % b else 0
+        new_index = -(-total_tokens // self.block_size) - 1
+        cow = 1 if hit_len % self.block_size else 0
         return cow + self._fresh_needed(hit_blocks, len(hit_blocks) - 1, new_index) + self._evictable(hit_blocks)
 
+    def grow_needed(self, request: Request, total_tokens: int) -> int:
+        rid = request.request_id
+        table, index = self.tables[rid], self._state_index[rid]
+        new_index = -(-total_tokens // self.block_size) - 1
+        if new_index > index:
+            return self._fresh_needed(table, index, new_index)
+        return 1 if self.pool.key_of(table[new_index]) is not None else 0
+
     def allocate(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> list[int]:
-        rid, b = request.request_id, self.block_size
-        new_index = -(-total_tokens // b) - 1
-        table = self.tables.get(rid)
-        if table is None:
-            table = list(hit_blocks)
-            index = len(table) - 1
-            if hit_len % b:  # the coordinator has touched the hit block
-                # The next chunk may write this block index in place: work on a copy.
-                src = table[index]
-                dst = self._fresh(1)[0]
-                self.ledger.add_copy(self.group_id, rid, src, dst)
-                self.ledger.retained.append(src)
-                table[index] = dst
-            self.tables[rid] = table
-            self._state_index[rid] = index
-            self._advance(rid, table, index, new_index)
-            return list(table)
-        index = self._state_index[rid]
+        rid = request.request_id
+        table = list(hit_blocks)
+        index = len(table) - 1
+        if hit_len % self.block_size:  # the coordinator has touched the hit block
+            # The next chunk may write this block index in place: work on a copy.
+            src = table[index]
+            [dst] = self._fresh(1)
+            self.ledger.add_copy(self.group_id, rid, src, dst)
+            self.ledger.retained.append(src)
+            table[index] = dst
+        self.tables[rid] = table
+        self._state_index[rid] = index
+        self._advance(rid, table, index, -(-total_tokens // self.block_size) - 1)
+        return list(table)
+
+    def grow(self, request: Request, total_tokens: int) -> list[int]:
+        rid = request.request_id
+        table, index = self.tables[rid], self._state_index[rid]
+        new_index = -(-total_tokens // self.block_size) - 1
         if new_index > index:
             start = len(table)
             self._advance(rid, table, index, new_index)
@@ -133,7 +134,7 @@ class MambaManager(SingleTypeManager):
         if self.pool.key_of(state) is not None:
             # Running owner writes its cached state block in place: copy the cached state out
             # first (at step start, while the block still holds it).
-            copy = self._fresh(1)[0]
+            [copy] = self._fresh(1)
             self.ledger.add_copy(self.group_id, rid, state, copy)
             self._pending_move[rid] = (state, copy)
         return []

@@ -14,8 +14,6 @@ class SlidingWindowManager(SingleTypeManager):
     null. Its presence with an effective block other than H turns partial hits off (the
     geometry's fallback), so hits land on multiples of S, which are block-aligned here."""
 
-    fine_grained = False
-
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.window = self.group.sliding_window
@@ -44,21 +42,15 @@ class SlidingWindowManager(SingleTypeManager):
         return 0, []
 
     def blocks_needed(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> int:
-        table = self.tables.get(request.request_id)
-        have = len(table) if table is not None else len(hit_blocks)
-        extra = 0 if table is not None else self._evictable(hit_blocks)
-        return max(self.row_length(total_tokens) - have, 0) + extra
+        return max(self.row_length(total_tokens) - len(hit_blocks), 0) + self._evictable(hit_blocks)
 
     def allocate(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> list[int]:
         rid = request.request_id
-        table = self.tables.get(rid)
-        if table is None:
-            table = list(hit_blocks)  # the coordinator has touched them
-            self.tables[rid] = table
-            self._keyed[rid] = hit_len // self.block_size
-            self._grow(table, total_tokens)
-            return list(table)
-        return self._grow(table, total_tokens)
+        table = list(hit_blocks)  # the coordinator has touched them
+        self.tables[rid] = table
+        self._keyed[rid] = hit_len // self.block_size
+        self._grow(table, total_tokens)
+        return list(table)
 
     def cache(self, request: Request, num_computed: int) -> None:
         rid = request.request_id

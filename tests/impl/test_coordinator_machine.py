@@ -167,10 +167,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
             running = kv.is_running(request)
             start = request.num_computed_tokens if running else (hit.num_tokens if hit is not None else 0)
             total = start + num_new_tokens
-            if running:
-                needed = sum(m.blocks_needed(request, total, 0, []) for m in coordinator.managers)
-            else:
-                needed = coordinator.blocks_needed(request, total, hit or coordinator.miss)
+            needed = coordinator.blocks_needed(request, total, None if running else hit or coordinator.miss)
             before = kv.pool.num_free
             result = real(request, num_new_tokens, hit)
             if result is not None:

@@ -32,28 +32,36 @@ from ..conftest import REACH_SETTINGS
 def layouts(draw):
     """Attention (FA or MLA) with, in most layouts, a Mamba group (align mode with or without
     speculative blocks, or mode 'none') and sometimes a sliding-window group: every manager
-    that has an idle range."""
+    that has an idle range. Some layouts leave attention out (Mamba or the window alone), so
+    that each manager's own bound decides the idle range, not attention's lower one."""
     dcp = draw(st.sampled_from([1, 2, 4]))
     block = draw(st.sampled_from([1, 2, 4, 4]))
-    groups = [CacheGroup(draw(st.sampled_from([GroupKind.FULL_ATTENTION, GroupKind.MLA])), block)]
-    mamba = draw(st.sampled_from(["align", "speculative", "speculative", "none", None]))
+    alone = draw(st.sampled_from([None, None, None, "mamba", "window"]))
+    groups = [] if alone else [CacheGroup(draw(st.sampled_from([GroupKind.FULL_ATTENTION, GroupKind.MLA])), block)]
+    mamba = "align" if alone == "mamba" else None if alone else draw(st.sampled_from(["align", "speculative", "speculative", "none", None]))
     if mamba is not None:
         groups.append(CacheGroup(
             GroupKind.MAMBA, block * draw(st.sampled_from([1, 2, 4])),
             mamba_cache_mode=MambaCacheMode.NONE if mamba == "none" else MambaCacheMode.ALIGN,
             num_speculative_blocks=2 if mamba == "speculative" else 0,
         ))
-    if draw(st.integers(0, 2)) == 0:
+    if alone == "window" or (not alone and draw(st.integers(0, 2)) == 0):
         # Window blocks and slides off attention's grid (a window block up to 8, windows not a
         # block plus one), so that the window's idle bound is sometimes the lowest.
         groups.append(CacheGroup(GroupKind.SLIDING_WINDOW, draw(st.sampled_from([4, 8])), dcp_sharded=False,
                                  sliding_window=draw(st.sampled_from([5, 9, 11]))))
-    finer = block * dcp > 1 and draw(st.booleans())
+    sharded = any(g.kind in (GroupKind.FULL_ATTENTION, GroupKind.MLA) for g in groups)
+    finer = sharded and block * dcp > 1 and draw(st.booleans())
     return LayoutConfig(
-        tuple(groups), dcp=dcp, max_model_len=512, hash_block_size=(block // 2 or 1) if finer else None,
+        tuple(groups), dcp=dcp if sharded else 1, max_model_len=512,
+        hash_block_size=(block // 2 or 1) if finer else None,
         retention_interval=draw(st.sampled_from([None, 0])),
         attention_keys=draw(st.sampled_from(["every-hash", "chunk-ends"])),
     )
+
+
+_KIND_NAMES = {GroupKind.FULL_ATTENTION: "attention", GroupKind.MLA: "attention", GroupKind.MAMBA: "mamba",
+               GroupKind.SLIDING_WINDOW: "sliding window"}
 
 
 @st.composite
@@ -99,16 +107,29 @@ def test_idle_steps_change_nothing(config, trace, num_blocks, budget, eagle, rea
     every step does. The slow switch is on (the suite's default), so every skipped step is also
     checked by INV-IDLE-STEP."""
     reach.minimums = {"idle steps skipped": 60, "idle: mamba speculative": 15, "idle: mamba mode none": 10,
-                      "idle: sliding window": 10, "preempted": 5, "idle: eagle": 25}
-    skipped = []
-    check_idle = HybridCoordinator._check_idle
+                      "idle: sliding window": 10, "preempted": 5, "idle: eagle": 25,
+                      "idle bound set by: attention": 15, "idle bound set by: mamba": 8,
+                      "idle bound set by: sliding window": 25}
+    skipped, binding = [], set()
+    check_idle, cache = HybridCoordinator._check_idle, HybridCoordinator.cache
 
     def counted(self, request, total_tokens):
         skipped.append(request.request_id)
         return check_idle(self, request, total_tokens)
 
+    def noting_the_lowest_bound(self, request, num_computed):
+        """After a ``cache`` that did work: which group alone set the idle range (its bound
+        below every other group's), so that each manager's bound is seen deciding it."""
+        worked = num_computed > self._idle_until.get(request.request_id, 0)
+        cache(self, request, num_computed)
+        if worked:
+            bounds = sorted((m.idle_until(request, num_computed), m.group.kind) for m in self.managers)
+            if bounds[0][0] > num_computed and (len(bounds) == 1 or bounds[0][0] < bounds[1][0]):
+                binding.add(bounds[0][1])
+
     with monkeypatch.context() as m:
         m.setattr(HybridCoordinator, "_check_idle", counted)
+        m.setattr(HybridCoordinator, "cache", noting_the_lowest_bound)
         with_skip = _run(config, trace, num_blocks, budget, eagle)
     with monkeypatch.context() as m:
         for cls in MANAGER_FOR_KIND.values():
@@ -131,6 +152,8 @@ def test_idle_steps_change_nothing(config, trace, num_blocks, budget, eagle, rea
             reach("idle: sliding window")
         if eagle:
             reach("idle: eagle")
+    for kind in binding:
+        reach(f"idle bound set by: {_KIND_NAMES[kind]}")
     if any(step[3] for step in with_skip[0]):
         reach("preempted")
 

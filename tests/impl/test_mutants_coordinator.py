@@ -116,3 +116,37 @@ def test_a_junction_inside_an_attention_block_also_reports_the_block_boundary_be
     run_prompt(kv, lay, "A", range(100, 114))  # attention keys 8 and the tail 12; Mamba keeps no state below 14
     hit = kv.lookup(Request("B", list(range(100, 113)) + [1, 2, 3], lay.hash_block_size))
     assert (hit.num_tokens, hit.junctions) == (0, (8, 12))
+
+
+def test_junctions_lie_beyond_the_hit_and_are_never_repeated():
+    """A hit's junctions are distinct lengths beyond it: a longest single-group hit that is
+    already block-aligned is reported once (not also as "the block boundary below it"), and a
+    boundary the joint hit itself sits on is not a junction."""
+    lay = resolve_layout(LayoutConfig((CacheGroup(FA, 4), CacheGroup(MAMBA, 4)), max_model_len=256, hash_block_size=2,
+                                      retention_interval=None))
+    kv = KVCacheManager(lay, 64)
+    run_prompt(kv, lay, "A", range(100, 116))  # attention keys every 2 tokens; Mamba keeps only 16
+    hit = kv.lookup(Request("B", list(range(100, 112)) + [1, 2, 3], lay.hash_block_size))
+    assert (hit.num_tokens, hit.junctions) == (0, (12,))  # attention reaches the block boundary 12
+    c = Request("C", list(range(200, 216)), lay.hash_block_size)
+    for start, num_new in ((0, 8), (8, 8)):  # Mamba keeps every chunk end (retention none): 8 and 16
+        kv.begin_step()
+        assert kv.allocate_slots(c, num_new, kv.lookup(c) if start == 0 else None) is not None
+        kv.take_block_copies()
+        c.num_computed_tokens = start + num_new
+        kv.cache(c)
+    hit = kv.lookup(Request("D", list(range(200, 210)) + [1, 2, 3], lay.hash_block_size))
+    assert (hit.num_tokens, hit.junctions) == (8, (10,))  # the boundary below 10 is the hit itself
+
+
+def test_the_first_step_of_one_token_is_keyed():
+    """The coordinator's idle skip starts only after a request's first ``cache``: a first step
+    that computed a single token is keyed like any other."""
+    lay = resolve_layout(LayoutConfig((CacheGroup(FA, 1),), max_model_len=256))
+    kv = KVCacheManager(lay, 16)
+    a = Request("A", [5, 6, 7], lay.hash_block_size)
+    kv.begin_step()
+    assert kv.allocate_slots(a, 1, kv.lookup(a)) is not None
+    a.num_computed_tokens = 1
+    kv.cache(a)
+    assert kv.lookup(Request("B", [5, 9], lay.hash_block_size)).num_tokens == 1

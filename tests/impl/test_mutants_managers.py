@@ -31,7 +31,7 @@ def step(kv, r, num_new, hit=None):
     kv.begin_step()
     running = kv.is_running(r)
     total = (r.num_computed_tokens if running else (hit.num_tokens if hit else 0)) + num_new
-    need = kv.coordinator.blocks_needed(r, total, hit or kv.coordinator.miss)
+    need = kv.coordinator.blocks_needed(r, total, None if running else hit or kv.coordinator.miss)
     free = kv.pool.num_free
     assert kv.allocate_slots(r, num_new, hit) is not None
     assert free - kv.pool.num_free == need  # blocks_needed: exactly the free-queue blocks allocate consumed
@@ -246,3 +246,57 @@ def test_a_released_cached_state_is_released_again_when_its_request_ends():
     step(kv, r, 8)
     kv.free(r)
     assert kv.pool.priority(state) > released_at
+
+
+def test_with_eagle_an_empty_cache_is_a_miss_of_zero_tokens():
+    """EAGLE gives back the last hit unit; with nothing cached there is nothing to give back,
+    and the hit is 0, never negative."""
+    lay = layout(CacheGroup(FA, 4))
+    kv = KVCacheManager(lay, 16)
+    manager = FullAttentionManager(0, lay.groups[0], lay.hash_block_size, lay.cache_hit_alignment, kv.pool, StepLedger(),
+                                   use_eagle=True)
+    assert manager.find_hit(Request("A", list(range(100, 116)), 4), 12) == (0, [])
+
+
+@pytest.mark.parametrize("keys", ["every-hash", "chunk-ends"])
+def test_a_step_ending_inside_a_hash_unit_keys_only_the_boundaries_it_wrote(keys):
+    """7 tokens computed with hash units of 4: the boundary at 4 is keyed, the one at 8 is not
+    (a hit there would read a token nobody wrote)."""
+    lay = layout(CacheGroup(FA, 16), hash_block_size=4, attention_keys=keys)
+    kv = KVCacheManager(lay, 16)
+    a = Request("A", list(range(100, 132)), 4)
+    step(kv, a, 7)
+    assert kv.lookup(Request("B", list(range(100, 108)) + [1, 2], 4)).num_tokens == 4
+
+
+def test_a_state_one_token_long_is_a_hit():
+    lay = layout(CacheGroup(MAMBA, 1))
+    kv = KVCacheManager(lay, 16)
+    a = Request("A", [5, 6], 1)
+    step(kv, a, 1)  # a chunk ends at the prompt's tail checkpoint (one token before its end): kept
+    step(kv, a, 1)
+    assert kv.lookup(Request("B", [5, 9], 1)).num_tokens == 1
+
+
+def test_decode_steps_are_not_skipped_past_a_state_the_retention_rule_keeps():
+    """Mamba alone, dense retention: decoding from 6 to 8 tokens, the state at 8 (a hash and
+    block boundary) is kept, so the coordinator's idle range after 6 and after 7 ends below 8."""
+    lay = layout(CacheGroup(MAMBA, 4), retention_interval=None)
+    kv = KVCacheManager(lay, 16)
+    a = Request("A", list(range(100, 106)), 4)
+    step(kv, a, 6)
+    for token in (106, 107):
+        a.append_output(token)
+        step(kv, a, 1)
+    assert kv.lookup(Request("B", list(range(100, 108)) + [1], 4)).num_tokens == 8
+
+
+def test_with_chunk_end_keys_a_completed_block_keeps_its_chunk_end_key():
+    """Chunk-end keys: the key a chunk left at 6 inside a block of 8 stays (as a prefix key)
+    once the block is complete, so a request diverging at 6 still hits 6."""
+    lay = layout(CacheGroup(FA, 8), hash_block_size=2, attention_keys="chunk-ends")
+    kv = KVCacheManager(lay, 16)
+    a = Request("A", list(range(100, 116)), 2)
+    step(kv, a, 6)
+    step(kv, a, 4)
+    assert kv.lookup(Request("B", list(range(100, 106)) + [1, 2, 3], 2)).num_tokens == 6

@@ -20,7 +20,7 @@ def step(kv, r, num_new, hit=None):
     running = kv.is_running(r)
     total = (r.num_computed_tokens if running else (hit.num_tokens if hit else 0)) + num_new
     kv.begin_step()
-    need = kv.coordinator.blocks_needed(r, total, hit or kv.coordinator.miss)
+    need = kv.coordinator.blocks_needed(r, total, None if running else hit or kv.coordinator.miss)
     free = kv.coordinator.pool.num_free
     assert kv.allocate_slots(r, num_new, hit) is not None
     assert free - kv.coordinator.pool.num_free == need
