@@ -3,7 +3,8 @@ that needs no block and keys nothing skips every group's manager. Checked two wa
 with the skip and without it (every manager's ``idle_until`` replaced by the base class's,
 which skips nothing) plan the same steps and leave the pool in the same state after every
 step; and the slow-tier check INV-IDLE-STEP fires when a manager claims an idle range it does
-not have."""
+not have. Cases worked out by hand check the other direction: a range ends right before the
+first step that needs a block, keys one or releases one, so no idle step reaches a manager."""
 
 from __future__ import annotations
 
@@ -28,24 +29,30 @@ from kvproof.spec.layout import LayoutConfig, resolve_layout
 from ..conftest import REACH_SETTINGS
 
 
+#: Which groups a layout has: attention alone, with each Mamba mode (align, align with
+#: speculative blocks, 'none') and with a window, and Mamba or a window alone, so that each
+#: manager's own bound decides the idle range in some layouts, not attention's lower one.
+SHAPES = ("attention", "attention+align", "attention+speculative", "attention+none", "attention+window",
+          "attention+speculative+window", "attention+none+window", "align", "speculative", "window")
+
+
 @st.composite
 def layouts(draw):
-    """Attention (FA or MLA) with, in most layouts, a Mamba group (align mode with or without
-    speculative blocks, or mode 'none') and sometimes a sliding-window group: every manager
-    that has an idle range. Some layouts leave attention out (Mamba or the window alone), so
-    that each manager's own bound decides the idle range, not attention's lower one."""
+    """A layout of one of ``SHAPES``: every manager that has an idle range."""
     dcp = draw(st.sampled_from([1, 2, 4]))
     block = draw(st.sampled_from([1, 2, 4, 4]))
-    alone = draw(st.sampled_from([None, None, None, "mamba", "window"]))
-    groups = [] if alone else [CacheGroup(draw(st.sampled_from([GroupKind.FULL_ATTENTION, GroupKind.MLA])), block)]
-    mamba = "align" if alone == "mamba" else None if alone else draw(st.sampled_from(["align", "speculative", "speculative", "none", None]))
+    shape = draw(st.sampled_from(SHAPES)).split("+")
+    groups = []
+    if "attention" in shape:
+        groups.append(CacheGroup(draw(st.sampled_from([GroupKind.FULL_ATTENTION, GroupKind.MLA])), block))
+    mamba = next((part for part in shape if part in ("align", "speculative", "none")), None)
     if mamba is not None:
         groups.append(CacheGroup(
             GroupKind.MAMBA, block * draw(st.sampled_from([1, 2, 4])),
             mamba_cache_mode=MambaCacheMode.NONE if mamba == "none" else MambaCacheMode.ALIGN,
             num_speculative_blocks=2 if mamba == "speculative" else 0,
         ))
-    if alone == "window" or (not alone and draw(st.integers(0, 2)) == 0):
+    if "window" in shape:
         # Window blocks and slides off attention's grid (a window block up to 8, windows not a
         # block plus one), so that the window's idle bound is sometimes the lowest.
         groups.append(CacheGroup(GroupKind.SLIDING_WINDOW, draw(st.sampled_from([4, 8])), dcp_sharded=False,
@@ -98,7 +105,7 @@ def _run(config, trace, num_blocks, budget, eagle):
     return steps, [r.num_cached_tokens for r in result.requests], result.violations
 
 
-@settings(max_examples=150, **REACH_SETTINGS)
+@settings(max_examples=200, **REACH_SETTINGS)
 @given(config=layouts(), trace=traces(), num_blocks=st.sampled_from([16, 24, 48, 512]), budget=st.sampled_from([4, 16, 64]),
        eagle=st.booleans())
 def test_idle_steps_change_nothing(config, trace, num_blocks, budget, eagle, reach, monkeypatch):
@@ -106,10 +113,11 @@ def test_idle_steps_change_nothing(config, trace, num_blocks, budget, eagle, rea
     same keys and reference counts in the pool after every step, as running every manager on
     every step does. The slow switch is on (the suite's default), so every skipped step is also
     checked by INV-IDLE-STEP."""
-    reach.minimums = {"idle steps skipped": 60, "idle: mamba speculative": 15, "idle: mamba mode none": 10,
+    # Low floors that prove each case is reached: how often varies a lot from seed to seed.
+    reach.minimums = {"idle steps skipped": 60, "idle: mamba speculative": 4, "idle: mamba mode none": 6,
                       "idle: sliding window": 10, "preempted": 5, "idle: eagle": 25,
-                      "idle bound set by: attention": 15, "idle bound set by: mamba": 8,
-                      "idle bound set by: sliding window": 25}
+                      "idle bound set by: attention": 8, "idle bound set by: mamba": 5,
+                      "idle bound set by: sliding window": 8}
     skipped, binding = [], set()
     check_idle, cache = HybridCoordinator._check_idle, HybridCoordinator.cache
 
@@ -186,3 +194,58 @@ def test_a_claimed_idle_range_that_needs_blocks_is_caught():
         run(slow=True)
     kv = run(slow=False)
     assert len(kv.coordinator.managers[0].tables["r"]) == 2  # the lie went unnoticed: 12 tokens in 8 slots
+
+
+def _decode(kv, request, prompt_len, end):
+    """Compute ``prompt_len`` tokens in one step, then decode one token per step to ``end``."""
+    kv.begin_step()
+    kv.allocate_slots(request, prompt_len, kv.lookup(request))
+    request.num_computed_tokens = prompt_len
+    kv.cache(request)
+    for token in range(prompt_len, end):
+        request.append_output(100 + token)
+        kv.begin_step()
+        assert kv.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+        kv.cache(request)
+
+
+def test_only_the_steps_that_need_a_block_or_complete_one_reach_the_manager(monkeypatch):
+    """Attention, blocks of 4, decoding from 6 to 16 tokens: a step is idle unless it completes
+    a block (8, 12, 16: keyed) or its token starts a new one (9, 13: a fresh block). The skip
+    covers every other step, and only those."""
+    config = LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, 4),), max_model_len=512)
+    kv = KVCacheManager(resolve_layout(config), 64)
+    manager = kv.coordinator.managers[0]
+    grown, cached = [], []
+    grow, cache = manager.grow, manager.cache
+    monkeypatch.setattr(manager, "grow", lambda request, total: grown.append(total) or grow(request, total))
+    monkeypatch.setattr(manager, "cache", lambda request, n: cached.append(n) or cache(request, n))
+    _decode(kv, Request("r", tuple(range(6)), kv.layout.hash_block_size), 6, 16)
+    assert grown == [8, 9, 12, 13, 16]
+    assert cached == [6, 8, 9, 12, 13, 16]
+
+
+@pytest.mark.parametrize("computed, idle_until", [
+    (10, 11),  # at 12 the next token's window (8-12) no longer reads block 0: it is released
+    (13, 15),  # at 16 block 1 is complete: it is keyed
+    (16, 16),  # the row is full: the next token needs block 2
+])
+def test_a_window_is_idle_exactly_until_a_block_is_released_keyed_or_needed(computed, idle_until):
+    config = LayoutConfig((CacheGroup(GroupKind.SLIDING_WINDOW, 8, sliding_window=5),), max_model_len=512)
+    kv = KVCacheManager(resolve_layout(config), 64)
+    r = Request("r", tuple(range(computed)), kv.layout.hash_block_size)
+    _decode(kv, r, computed, computed)
+    assert kv.coordinator.managers[0].idle_until(r, computed) == idle_until
+
+
+@pytest.mark.parametrize("computed, idle_until", [
+    (6, 7),  # at 8 the state reaches a hash boundary (and its block's end), where it may be kept
+    (9, 11),  # the same at 12
+])
+def test_a_mamba_state_is_idle_exactly_until_a_boundary_where_it_may_be_kept(computed, idle_until):
+    config = LayoutConfig((CacheGroup(GroupKind.MAMBA, 4),), max_model_len=512, retention_interval=None)
+    kv = KVCacheManager(resolve_layout(config), 64)
+    r = Request("r", tuple(range(computed)), kv.layout.hash_block_size)
+    _decode(kv, r, computed, computed)
+    assert kv.coordinator.managers[0].idle_until(r, computed) == idle_until
