@@ -28,8 +28,7 @@ class MambaManager(SingleTypeManager):
     """
 
     def __init__(
-        self, *args, retention_interval: int | None = None, scheduler_block_size: int = 0,
-        exact_junction: bool = False, **kwargs,
+        self, *args, retention_interval: int | None, scheduler_block_size: int, exact_junction: bool, **kwargs,
     ) -> None:
         super().__init__(*args, **kwargs)
         if not self.group.prefix_cacheable:
@@ -38,10 +37,10 @@ class MambaManager(SingleTypeManager):
         self._spec = self.group.num_speculative_blocks
         self.retention = RetentionRule(
             retention_interval, self.block_size, self.hash_block_size, self.alignment,
-            scheduler_block_size or self.block_size, eagle=self.use_eagle,
+            scheduler_block_size, eagle=self.use_eagle,
         )
         self.exact_junction = exact_junction
-        # request id -> state block index (-1: no state yet)
+        # request id -> state block index (>= 0 once ``allocate`` returns: a request computes a token)
         self._state_index: dict[str, int] = {}
         # request id -> (cached state block, its copy): key moves once the step has run
         self._pending_move: dict[str, tuple[int, int]] = {}
@@ -205,9 +204,9 @@ class MambaManager(SingleTypeManager):
         key it); never while the state block is cached (the next step writes it in place and
         must copy it first) or a copy or a release is pending."""
         rid = request.request_id
-        index = self._state_index[rid]
-        if index < 0 or rid in self._pending_move or rid in self._superseded:
+        if rid in self._pending_move or rid in self._superseded:
             return num_computed
+        index = self._state_index[rid]
         if self.pool.key_of(self.tables[rid][index]) is not None:
             return num_computed
         until = (index + 1) * self.block_size

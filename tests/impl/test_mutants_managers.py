@@ -300,3 +300,18 @@ def test_with_chunk_end_keys_a_completed_block_keeps_its_chunk_end_key():
     step(kv, a, 6)
     step(kv, a, 4)
     assert kv.lookup(Request("B", list(range(100, 106)) + [1, 2, 3], 2)).num_tokens == 6
+
+
+def test_a_key_at_the_start_of_a_blocks_span_is_outside_it():
+    """INV-KEYS-PER-BLOCK: 8 tokens end block 0's span (0, 8], so a key of length 8 on block 1,
+    whose span is (8, 16], is a key on the wrong block."""
+    lay = layout(CacheGroup(FA, 8), hash_block_size=4)
+    kv = KVCacheManager(lay, 16)
+    r = Request("A", list(range(100, 130)), 4)
+    step(kv, r, 9)  # block 1 holds position 8 only: no key yet
+    manager = kv.managers[0]
+    manager.check_keys()
+    blk = kv.block_table(r)[0][1]
+    kv.pool.grow_keys(blk, [(("stray", 0), 8)])  # the bug: block 0's boundary keyed on block 1
+    with pytest.raises(InvariantViolation, match=re.escape(f"block {blk} at row index 1 has keys of lengths [8]")):
+        manager.check_keys()
