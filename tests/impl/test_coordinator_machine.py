@@ -344,7 +344,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
 
 class TestCoordinatorMachine(CoordinatorMachine.TestCase):
-    settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+    settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
 
     @classmethod
     def setUpClass(cls):
