@@ -146,10 +146,7 @@ class HybridCoordinator:
                 if slow():
                     self._check_idle(request, total_tokens)
                 return self._no_entries
-            needed = 0
-            for m in managers:
-                needed += m.grow_needed(request, total_tokens)
-            if needed > self.pool.num_free:
+            if self.blocks_needed(request, total_tokens, None) > self.pool.num_free:
                 return None
             return tuple([m.grow(request, total_tokens) for m in managers])
         if self.blocks_needed(request, total_tokens, hit) > self.pool.num_free:

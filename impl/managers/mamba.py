@@ -62,14 +62,14 @@ class MambaManager(SingleTypeManager):
     # --- lookup ---------------------------------------------------------------------------------
 
     def find_hit(self, request: Request, bound: int) -> tuple[int, list[int]]:
-        a, h, b = self.alignment, self.hash_block_size, self.block_size
+        a, h = self.alignment, self.hash_block_size
         hashes, group, lookup = request.block_hashes, self.group_id, self.pool.lookup
         n = min(bound, len(hashes) * h)
         n -= n % a
         while n > 0:
             found = lookup(key_at(hashes, n, h, group))
             if found is not None:
-                return n, [NULL_BLOCK] * (-(-n // b) - 1) + [found]
+                return n, [NULL_BLOCK] * self._state_index_after(n) + [found]
             n -= a
         return 0, []
 
@@ -83,6 +83,11 @@ class MambaManager(SingleTypeManager):
     # released after the step (it is read during it). So a request holds at most 2 + Sp real
     # blocks during a step, as in vLLM (its speculative blocks are relocated the same way).
 
+    def _state_index_after(self, num_tokens: int) -> int:
+        """The row index of the block holding the state after ``num_tokens`` tokens (that of the
+        last token)."""
+        return -(-num_tokens // self.block_size) - 1
+
     def _fresh_needed(self, table: list[int], index: int, new_index: int) -> int:
         placed = max(new_index + self._spec + 1 - max(len(table), new_index), 0)
         return max(placed - len(self._relocatable(table, index, new_index)), 0)
@@ -93,14 +98,14 @@ class MambaManager(SingleTypeManager):
         return [i for i in range(index + 1, min(new_index, len(table))) if table[i] != NULL_BLOCK]
 
     def blocks_needed(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> int:
-        new_index = -(-total_tokens // self.block_size) - 1
+        new_index = self._state_index_after(total_tokens)
         cow = 1 if hit_len % self.block_size else 0
         return cow + self._fresh_needed(hit_blocks, len(hit_blocks) - 1, new_index) + self._evictable(hit_blocks)
 
     def grow_needed(self, request: Request, total_tokens: int) -> int:
         rid = request.request_id
         table, index = self.tables[rid], self._state_index[rid]
-        new_index = -(-total_tokens // self.block_size) - 1
+        new_index = self._state_index_after(total_tokens)
         if new_index > index:
             return self._fresh_needed(table, index, new_index)
         return 1 if self.pool.key_of(table[new_index]) is not None else 0
@@ -118,13 +123,13 @@ class MambaManager(SingleTypeManager):
             table[index] = dst
         self.tables[rid] = table
         self._state_index[rid] = index
-        self._advance(rid, table, index, -(-total_tokens // self.block_size) - 1)
+        self._advance(rid, table, index, self._state_index_after(total_tokens))
         return list(table)
 
     def grow(self, request: Request, total_tokens: int) -> list[int]:
         rid = request.request_id
         table, index = self.tables[rid], self._state_index[rid]
-        new_index = -(-total_tokens // self.block_size) - 1
+        new_index = self._state_index_after(total_tokens)
         if new_index > index:
             start = len(table)
             self._advance(rid, table, index, new_index)
@@ -178,7 +183,7 @@ class MambaManager(SingleTypeManager):
             for i in below:
                 table[i] = NULL_BLOCK
         n, b, h = num_computed, self.block_size, self.hash_block_size
-        expected_index = -(-n // b) - 1
+        expected_index = self._state_index_after(n)
         if expected_index != index:
             raise InvariantViolation(
                 "INV-MAMBA-STATE-INDEX",
