@@ -37,6 +37,13 @@ def run(args: argparse.Namespace) -> int:
     # torch is imported here only: the other subcommands work without it.
     import dataclasses
 
+    from kvproof.extras import MissingExtra, require
+
+    try:
+        require("kernels", "this command")
+    except MissingExtra as e:
+        return fail_bad_input(PROG, str(e))
+
     from kvproof.e2e.dcp import RankError
     from kvproof.e2e.model import ModelConfig
     from kvproof.e2e.runner import TOLERANCE, E2EOptions, run_e2e

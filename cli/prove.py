@@ -53,8 +53,13 @@ def format_results(results) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvproof.extras import MissingExtra, require
     from kvproof.proofs.runner import MAX_BUDGET, run_all, select
 
+    try:
+        require("proofs", "this command")
+    except MissingExtra as e:
+        return fail_bad_input("kvproof prove", str(e))
     if not 0 < args.budget <= MAX_BUDGET:  # also refuses nan and inf
         return fail_bad_input(
             "kvproof prove", f"--budget {args.budget} must be a number of seconds in (0, {MAX_BUDGET:.0f}]"

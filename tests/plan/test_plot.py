@@ -10,7 +10,8 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from kvproof.cli.main import main  # noqa: E402
-from kvproof.planner.plot import MISSING, build_figure  # noqa: E402
+from kvproof.extras import message  # noqa: E402
+from kvproof.planner.plot import build_figure  # noqa: E402
 from kvproof.planner.run import ConfigReport  # noqa: E402
 
 
@@ -91,7 +92,7 @@ def test_missing_matplotlib_is_one_line(capsys, monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     assert main(["plan", "--plot", "x.png", "--no-progress"]) == 2
-    assert capsys.readouterr().err == f"kvproof plan: error: {MISSING}\n"
+    assert capsys.readouterr().err == f"kvproof plan: error: {message('plot', '--plot')}\n"
 
 
 def test_sweep_draws_one_line_per_dcp_and_eviction_policy():
