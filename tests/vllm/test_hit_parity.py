@@ -87,15 +87,15 @@ def chat_traces(draw, layout):
     return trace
 
 
-def _eagle_case(prompts, shared_prefix_checkpoint):
-    """FA 8 + Mamba 8 at DCP 2, H 2, retention 0, EAGLE, 16 tokens per step (the layout of the
-    random-seed counterexamples), requests one after another, no outputs."""
+def _case(prompts, *, fa=8, mamba=8, dcp=2, h=2, retention=0, spc=False, eagle=True, budget=16):
+    """Requests one after another, no outputs; by default the layout of the random-seed
+    counterexamples: FA 8 + Mamba 8 at DCP 2, H 2, retention 0, EAGLE, 16 tokens per step."""
     layout = resolve_layout(LayoutConfig(
-        (CacheGroup(FA, 8), CacheGroup(MAMBA, 8)), dcp=2, max_model_len=4096, hash_block_size=2,
-        retention_interval=0, shared_prefix_checkpoint=shared_prefix_checkpoint,
+        (CacheGroup(FA, fa), CacheGroup(MAMBA, mamba)), dcp=dcp, max_model_len=4096, hash_block_size=h,
+        retention_interval=retention, shared_prefix_checkpoint=spc,
     ))
     trace = [TraceRequest(f"r{i}", tuple(p), (), arrival=0) for i, p in enumerate(prompts)]
-    return layout, trace, ParityOptions(max_num_batched_tokens=16, use_eagle=True)
+    return layout, trace, ParityOptions(max_num_batched_tokens=budget, use_eagle=eagle)
 
 
 _BASE = tuple(range(10_000, 10_064))
@@ -103,14 +103,21 @@ _BASE = tuple(range(10_000, 10_064))
 #: EAGLE) and 16 of Mamba: its junctions must include 30, where vLLM's junction lands (its
 #: attention keys stop at the block end 32, minus one hash unit), so that r2's hit at 30 finds
 #: a state there. kvproof reported the block end below its own hit (16) instead: r2 got 24, vLLM 30.
-EAGLE_JUNCTION = _eagle_case([_BASE[:35] + (20_000,), _BASE[:34], _BASE[:32]], True)
+EAGLE_JUNCTION = _case([_BASE[:35] + (20_000,), _BASE[:34], _BASE[:32]], spc=True)
+#: r1 branches off r0 at 7 tokens; kvproof's every-hash keys show the junction (vLLM's keys do
+#: not), so r1's chunks stop at 4 and 8 and its budget-cut chunks end at 24 and 40 -- not at 32,
+#: where vLLM's end and retention 0 keeps the replay boundary r2 resumes at. The replay stop
+#: makes kvproof end a chunk there too: even with vLLM.
+REPLAY_STOP = _case([_BASE[:7] + (20_000,), _BASE[:31] + _BASE[40:59], _BASE[:31] + _BASE[40:57]], spc=True)
 #: "longer hit": kvproof's r1 hits 16 (vLLM 0) and so never computes [0, 16); vLLM recomputes
 #: it and keeps the junction state at 8, where r2 (16 tokens, a hit of at most 14) resumes.
-LONGER_HIT = _eagle_case([_BASE[:32], _BASE[:18], _BASE[:16]], False)
-#: "shifted chunks": r1 branches off r0 at 7 tokens; kvproof's every-hash keys show the junction
-#: (vLLM's keys do not), so r1's chunks stop at 4 and 8 and its budget-cut chunks end at 24, 40
-#: -- not at 32, where vLLM's end and retention 0 keeps the replay boundary r2 resumes at.
-SHIFTED_CHUNKS = _eagle_case([_BASE[:7] + (20_000,), _BASE[:31] + _BASE[40:59], _BASE[:31] + _BASE[40:57]], True)
+LONGER_HIT = _case([_BASE[:32], _BASE[:18], _BASE[:16]])
+#: "shifted chunks" (dense retention: every chunk end is kept): r1 shares 5 tokens with r0, which
+#: kvproof's keys show (vLLM's prompt-tail key of r0 is at 6), so r1's first chunk stops at the
+#: junction's block (4) and its next ends at 18 with the budget of 16 -- vLLM's first ends at 16,
+#: where r2 (17 tokens, 16 shared) resumes.
+SHIFTED_CHUNKS = _case([_BASE[:7], _BASE[:5] + _BASE[20:34], _BASE[:5] + _BASE[20:31] + (20_000,)],
+                       fa=2, mamba=2, dcp=4, h=1, retention=None, eagle=False)
 
 
 @st.composite
@@ -137,6 +144,7 @@ def _label(layout, options, parity) -> list[str]:
 @settings(max_examples=120, **REACH_SETTINGS)
 @given(cases())
 @example(case=EAGLE_JUNCTION)
+@example(case=REPLAY_STOP)
 @example(case=LONGER_HIT)
 @example(case=SHIFTED_CHUNKS)
 def test_kvproof_caches_at_least_what_vllm_does_for_every_request(reach, case):
@@ -154,11 +162,13 @@ def test_kvproof_caches_at_least_what_vllm_does_for_every_request(reach, case):
 
 
 @pytest.mark.parametrize("case, behind", [
-    (EAGLE_JUNCTION, {}), (LONGER_HIT, {"r2": "longer hit"}), (SHIFTED_CHUNKS, {"r2": "shifted chunks"}),
-], ids=["eagle junction", "longer hit", "shifted chunks"])
+    (EAGLE_JUNCTION, {}), (REPLAY_STOP, {}), (LONGER_HIT, {"r2": "longer hit"}),
+    (SHIFTED_CHUNKS, {"r2": "shifted chunks"}),
+], ids=["eagle junction", "replay stop", "longer hit", "shifted chunks"])
 def test_the_named_classes_are_exactly_these_cases(case, behind):
-    """The examples above: the EAGLE junction case is even with vLLM; the other two are behind
-    for exactly the named reason, and the requests before them are at least even."""
+    """The examples above: the EAGLE junction and replay-stop cases (each behind before its fix)
+    are even with vLLM; the other two are behind for exactly the named reason, and the request
+    before them is at least even."""
     parity = compare(case[1], case[0], case[2])
     assert parity.explain_behind() == behind
     assert parity.kvproof.cached["r1"] >= parity.vllm.cached["r1"]
