@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
 
 import pytest
 
@@ -116,6 +117,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(
             f"reproduce: HYPOTHESIS_PROFILE=random python -m pytest -p no:cacheprovider --hypothesis-seed={_seed(config)} '{nodeid}'"
         )
+
+
+#: ``KVPROOF_CLI``: the path of an installed ``kvproof`` command (CI sets it to the README's
+#: wheel install) that the docs' example tests run instead of this checkout's code.
+INSTALLED_CLI = os.environ.get("KVPROOF_CLI") or None
+
+
+def kvproof_command() -> list[str]:
+    """The argv prefix that runs ``kvproof``: the installed command named by ``KVPROOF_CLI``, else
+    this checkout's through the current interpreter."""
+    return [INSTALLED_CLI] if INSTALLED_CLI else [sys.executable, "-m", "kvproof.cli.main"]
 
 
 class Reach:
