@@ -1,4 +1,4 @@
-"""A fuzzer for the ``kvproof`` command (issue 12, "keep it that way"): Hypothesis draws argument
+"""A fuzzer for the ``kvproof`` command: Hypothesis draws argument
 lists and trace bytes, small sizes, and every run must
 
 - end with status 0, 1 or 2 -- never a traceback, never an internal error (70);

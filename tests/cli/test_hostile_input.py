@@ -1,4 +1,4 @@
-"""Hostile or careless input (issue 12): every case ends with status 2 and one line on stderr that
+"""Hostile or careless input: every case ends with status 2 and one line on stderr that
 names the value, before any work; decided cases that are accepted say so."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Keys at every hash boundary of an attention block (``LayoutConfig.attention_keys``, issue 15):
+"""Keys at every hash boundary of an attention block (``LayoutConfig.attention_keys``):
 a request diverging anywhere inside a block reuses up to its last common hash unit, on every
 DCP rank; the old rule (``chunk-ends``) stays for comparison. The contracts INV-KEYS-EVERY-HASH
 and INV-KEYS-PER-BLOCK each made to fire."""
@@ -108,7 +108,7 @@ def test_bad_attention_keys_value_is_refused():
         resolve_layout(LayoutConfig((CacheGroup(MLA, 2),), attention_keys="sometimes"))
 
 
-# --- every-hash never hits less than chunk-ends, on generated multi-turn traffic -----------------------
+# --- every-hash never hits less than chunk-ends, on generated multi-turn traffic ------------------
 
 
 @st.composite

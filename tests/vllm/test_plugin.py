@@ -29,7 +29,7 @@ from kvproof.integrations.vllm.violations import ViolationSink  # noqa: E402
 from kvproof.spec.contracts import InvariantViolation  # noqa: E402
 
 
-# --- register() without installing -----------------------------------------------------------------
+# --- register() without installing ----------------------------------------------------------------
 
 def test_the_plugin_is_inert_without_the_switch(monkeypatch):
     monkeypatch.delenv("KVPROOF_CONTRACTS", raising=False)
@@ -60,7 +60,7 @@ def test_an_untested_vllm_version_is_refused(monkeypatch):
     assert Scheduler.__init__ is init
 
 
-# --- the worker-side checks (wrapped here by hand, not installed) ----------------------------------
+# --- the worker-side checks (wrapped here by hand, not installed) ---------------------------------
 
 def _v1_tables(widths):
     return MultiGroupBlockTable(max_num_reqs=2, max_num_batched_tokens=64, pin_memory=False, device=torch.device("cpu"),
@@ -69,8 +69,8 @@ def _v1_tables(widths):
 
 
 def test_v1_row_overflow_is_refused_before_any_group_is_written():
-    """vLLM's V1 table bumps the row count, then numpy raises (reference 10.6); checked, the
-    write is refused first and nothing changes."""
+    """vLLM's V1 table bumps the row count, then numpy raises (docs/vllm-semantics.md §10.6);
+    checked, the write is refused first and nothing changes."""
     tables = _v1_tables([8, 4])
     tables.add_row(([1, 2, 3], [4, 5, 6]), 0)
     append = worker_checks.checked_v1_append_row(MultiGroupBlockTable.append_row, ViolationSink("raise"))
@@ -125,7 +125,7 @@ def test_a_chained_copy_batch_is_refused_before_it_runs():
     assert len(copied) == 2
 
 
-# --- the plugin through vLLM's own plugin loading, in a fresh process -------------------------------
+# --- the plugin through vLLM's own plugin loading, in a fresh process -----------------------------
 
 _INSTALLED = textwrap.dedent("""
     import json, os
