@@ -8,10 +8,10 @@ Measured against an ``OrderedDict`` queue, the int arrays are ~2x faster per pop
 OrderedDict's ``popitem(last=False)``/``move_to_end`` go through its hash table); see
 docs/benchmarks.md.
 
-Semantics are those of ``kvproof.spec.block_pool`` (read that module first): one key per
-(prefix, group) -- a block's primary key, and with ``keep_prefixes`` the shorter prefix keys it
-held before it grew --, the null block 0 inert, ``allocate`` pops the free-queue head and evicts, ``free`` prepends
-uncached blocks and appends cached ones. Differences from vLLM 0.33 (docs/vllm-semantics.md §10.2):
+Semantics are those of ``kvproof.spec.block_pool`` (read that module first): a block's primary
+key names the longest prefix it holds (with ``keep_prefixes`` its earlier, shorter keys stay as
+prefix keys), the null block 0 is inert, ``allocate`` pops the free-queue head and evicts,
+``free`` prepends uncached blocks and appends cached ones. Differences from vLLM 0.33 (docs/vllm-semantics.md §10.2):
 no alias keys; a partial key at a boundary the block already covers is refused; promotion and
 growth retire the shorter key, so no stale key can come back.
 
@@ -527,7 +527,8 @@ class BlockPool:
         this key, and None (no change) if the block already covers ``>= num_tokens`` tokens under
         another key: it has outgrown that boundary, and attaching it would bring back a retired key
         (vLLM 0.33, docs/vllm-semantics.md §10.2). ``replace=True`` is for a rewritten Mamba state:
-        every old key goes whatever its length (and ``keep_prefixes`` makes no sense with it). """
+        every old key goes whatever its length (and ``keep_prefixes`` makes no sense with it).
+        """
         if replace and keep_prefixes:
             raise ValueError("cache_partial: replace (a rewritten state) and keep_prefixes (append-only) exclude each other")
         if not (0 < block < self._num_blocks and self._ref[block] > 0 and num_tokens > 0):

@@ -54,8 +54,7 @@ class HybridCoordinator:
         if layout.partial.warning:
             logger.warning(layout.partial.warning)
         #: ``shared_prefix_checkpoint`` in effect: as in vLLM 0.33.0, only for EAGLE with partial
-        #: hits (docs/vllm-semantics.md §5.4); otherwise junction states
-        #: are block-floored.
+        #: hits (docs/vllm-semantics.md §5.4); otherwise junction states are block-floored.
         self.exact_junction = layout.config.shared_prefix_checkpoint and use_eagle and layout.partial_hash_hits
         retention = dict(
             retention_interval=layout.config.retention_interval,

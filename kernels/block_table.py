@@ -13,7 +13,8 @@ tables in one kernel launch at :meth:`BlockTables.apply_staged_writes`.
 
 Worked example (docs/vllm-semantics.md §6.3, example 2): Mamba block 16, DCP 8, 1,048,576 tokens
 needs 65,536 entries; the old rule ``cdiv(max_len, 16 * 8)`` gave 8,192, and appending the 65,536
-blocks of a 1M-token request into such a row is refused here before any write. """
+blocks of a 1M-token request into such a row is refused here before any write.
+"""
 
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ The slot is ``row[local // bs] * bs + local % bs``. Unlike vLLM 0.33 (docs/vllm-
 the table index is checked against the row width (INV-SLOT-INDEX-BOUND): an index past the row
 yields PAD_SLOT and is recorded in ``worst_index``, which the host turns into an IndexError naming
 the request, the group, the index and the width. Dummy rows and tokens past the batch map to
-PAD_SLOT. This is the vectorised form of :func:`kvproof.spec.placement.slot_for_position`. """
+PAD_SLOT. This is the vectorised form of :func:`kvproof.spec.placement.slot_for_position`.
+"""
 
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ gather-then-scatter, so a destination that another copy reads breaks the batch (
 staging executor calls :func:`check_copy_batch` directly. Slot mappings come from a GPU kernel in
 both model runners (V1 ``MultiGroupBlockTable.compute_slot_mapping``, V2
 ``BlockTables.compute_slot_mappings``); reading them back costs a device sync, so they are compared
-on every :data:`SLOT_CHECK_EVERY`-th call (every call with ``KVPROOF_CONTRACTS=slow``). """
+on every :data:`SLOT_CHECK_EVERY`-th call (every call with ``KVPROOF_CONTRACTS=slow``).
+"""
 
 from __future__ import annotations
 

@@ -108,7 +108,7 @@ def test_bad_attention_keys_value_is_refused():
         resolve_layout(LayoutConfig((CacheGroup(MLA, 2),), attention_keys="sometimes"))
 
 
-# --- every-hash never hits less than chunk-ends, on generated multi-turn traffic ------------------
+# --- every-hash never hits less than chunk-ends, on generated multi-turn traffic -----------------------
 
 
 @st.composite

@@ -52,7 +52,7 @@ def run_checked(layout, trace, num_blocks=200, budget=64, scheduler_cls=CheckedS
     return harness, harness.run(trace)
 
 
-# --- clean runs are silent ------------------------------------------------------------------------
+# --- clean runs are silent --------------------------------------------------------------------------
 
 LAYOUTS = [
     ([CacheGroup(FA, 16)], None),
@@ -75,7 +75,7 @@ def test_checks_stay_silent_on_one_request_at_a_time(groups, h, dcp):
     assert sum(result.num_cached_tokens.values()) > 0
 
 
-# --- agreement with the content oracle ------------------------------------------------------------
+# --- agreement with the content oracle ----------------------------------------------------------------
 
 @st.composite
 def workloads(draw, alphabet=st.integers(0, 3)):
@@ -207,7 +207,7 @@ def test_the_content_oracle_sees_the_same_hazard_and_vllm_alone_does_not():
     assert "INV-CONTENT-KV: request 'r1'" in hook.violations_by_step[23][0]
 
 
-# --- start-up geometry ----------------------------------------------------------------------------
+# --- start-up geometry ------------------------------------------------------------------------------
 
 def _pre_fix_width(self, vllm_config, max_model_len):
     """The old rule: every group's row divided by DCP (docs/vllm-semantics.md §6.3, example 2)."""
@@ -252,7 +252,7 @@ def test_each_geometry_check_fires_on_a_seeded_bug(inv, mutate):
         EngineHarness(layout, 64, scheduler_cls=_mutant(mutate))
 
 
-# --- per-call checks on seeded bugs ---------------------------------------------------------------
+# --- per-call checks on seeded bugs -----------------------------------------------------------------
 
 HYBRID = [CacheGroup(FA, 16), CacheGroup(MAMBA, 16)]
 REPLAY = [TraceRequest("a", tuple(range(100)), (1, 2), 1), TraceRequest("b", tuple(range(90)) + (7, 8), (3,), 20),
@@ -363,7 +363,7 @@ def test_mamba_state_read_check_fires_without_vllms_same_step_deferral(monkeypat
         run_checked(layout, twins, num_blocks=64)
 
 
-# --- slow tier on corrupted state -----------------------------------------------------------------
+# --- slow tier on corrupted state ------------------------------------------------------------------
 
 def _corrupt_after(step, corrupt):
     def mutate(scheduler):

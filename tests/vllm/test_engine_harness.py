@@ -204,7 +204,7 @@ def test_evictions_and_steps_equal_kvproof_replay_on_attention_only_chats(num_bl
     assert 0 < result.peak_blocks_in_use <= num_blocks - 1
 
 
-# --- the loop itself ------------------------------------------------------------------------------
+# --- the loop itself --------------------------------------------------------------------------------
 
 class Recorder(StepHook):
     def __init__(self):

@@ -29,7 +29,7 @@ from kvproof.integrations.vllm.violations import ViolationSink  # noqa: E402
 from kvproof.spec.contracts import InvariantViolation  # noqa: E402
 
 
-# --- register() without installing ----------------------------------------------------------------
+# --- register() without installing -----------------------------------------------------------------
 
 def test_the_plugin_is_inert_without_the_switch(monkeypatch):
     monkeypatch.delenv("KVPROOF_CONTRACTS", raising=False)
@@ -60,7 +60,7 @@ def test_an_untested_vllm_version_is_refused(monkeypatch):
     assert Scheduler.__init__ is init
 
 
-# --- the worker-side checks (wrapped here by hand, not installed) ---------------------------------
+# --- the worker-side checks (wrapped here by hand, not installed) ----------------------------------
 
 def _v1_tables(widths):
     return MultiGroupBlockTable(max_num_reqs=2, max_num_batched_tokens=64, pin_memory=False, device=torch.device("cpu"),
@@ -125,7 +125,7 @@ def test_a_chained_copy_batch_is_refused_before_it_runs():
     assert len(copied) == 2
 
 
-# --- the plugin through vLLM's own plugin loading, in a fresh process -----------------------------
+# --- the plugin through vLLM's own plugin loading, in a fresh process -------------------------------
 
 _INSTALLED = textwrap.dedent("""
     import json, os
