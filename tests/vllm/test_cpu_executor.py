@@ -136,25 +136,16 @@ def _release_the_attention_row_twice(monkeypatch):
     monkeypatch.setattr(HybridKVCacheCoordinator, "free", buggy)
 
 
-def test_a_double_free_is_caught_in_the_engine(monkeypatch):
+@pytest.mark.parametrize("action", ["raise", "log"])
+def test_a_double_free_stops_the_engine_before_the_pool_changes(monkeypatch, action):
+    """In log mode too: a double free is always fatal (violations.ALWAYS_FATAL), serving on would
+    hand the block to two requests."""
+    monkeypatch.setenv("KVPROOF_ON_VIOLATION", action)
     _release_the_attention_row_twice(monkeypatch)
     engine = make_engine()
     try:
         with pytest.raises(InvariantViolation, match=r"INV-POOL-REF-NONNEG: step \d+, request 'a-\w+': block \d+ is freed "
                                                      r"with reference count 0; it would drop to -1"):
-            drive(engine, [("a", range(100), 2, 1)])
-    finally:
-        engine.engine_core.shutdown()
-
-
-def test_in_log_mode_a_double_free_still_stops_the_engine_before_the_pool_changes(monkeypatch):
-    """Always fatal (violations.ALWAYS_FATAL): serving on would hand the block to two requests."""
-    monkeypatch.setenv("KVPROOF_ON_VIOLATION", "log")
-    _release_the_attention_row_twice(monkeypatch)
-    engine = make_engine()
-    try:
-        with pytest.raises(InvariantViolation, match=r"INV-POOL-REF-NONNEG: step \d+, request 'a-\w+': block \d+ is "
-                                                     r"freed with reference count 0"):
             drive(engine, [("a", range(100), 2, 1)])
         pool = core_of(engine).scheduler.kv_cache_manager.block_pool
         assert min(b.ref_cnt for b in pool.blocks if not b.is_null) == 0  # refused before the free ran
