@@ -6,11 +6,11 @@ that is always fatal), the process that raises it -- the engine core, a worker -
 inside vLLM's tracebacks, tens of lines above the end. So each such refusal is also appended,
 as one line naming the id (if any) and what to do, to one file: the first process that loads
 the plugin (``vllm serve``'s API server, or the Python process of an offline ``LLM``) creates
-it, names it in ``KVPROOF_STOP_REPORT`` for the processes it starts, and when it exits prints
-the first line recorded as ``kvproof: ...`` after everything vLLM printed, and exits 1.
-``vllm serve`` itself exits 0 when its engine dies mid-serving; with a kvproof stop recorded,
-it exits 1 (the plugin also makes the server's end raise ``SystemExit(1)``). The file is named after its owner (``kvproof.leftovers``): one that a killed
-server left is removed by the next.
+it and names it in ``KVPROOF_STOP_REPORT`` for the processes it starts. When that process exits
+with a refusal recorded, it prints the first one as ``kvproof: ...`` after everything vLLM
+printed, and exits 1 -- ``vllm serve`` itself exits 0 when its engine dies while serving. The
+file is named after its owner (``kvproof.leftovers``): one that a killed server left is removed
+by the next.
 """
 
 from __future__ import annotations
@@ -25,15 +25,13 @@ from kvproof import leftovers
 
 ENV = "KVPROOF_STOP_REPORT"
 PREFIX = "kvproof-stop-"
-#: vLLM's single-API-server entry point; the one whose exit status says "the engine died".
-_SERVE_ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 
 
 def begin() -> bool:
     """In ``register()``: in the first process that loads the plugin, create the report file
-    and arrange for its last line and, under ``vllm serve``, the exit status (mutates
-    ``os.environ``, the process's exit handlers and vLLM's ``serve_http``). Does nothing in the
-    processes that process starts; returns whether this one is the first."""
+    and arrange for its last line and exit status (mutates ``os.environ`` and the process's exit
+    handlers). Does nothing in the processes that process starts; returns whether this one is
+    the first."""
     if os.environ.get(ENV):
         return False
     folder = tempfile.gettempdir()
@@ -43,7 +41,6 @@ def begin() -> bool:
     os.environ[ENV] = path
     owner = os.getpid()
     atexit.register(_print_at_exit, path, owner)
-    _exit_nonzero_when_stopped(path)
     return True
 
 
@@ -118,25 +115,3 @@ def _print_at_exit(path: str, owner: int) -> None:
         pass
     os._exit(1)
 
-
-def _exit_nonzero_when_stopped(path: str) -> None:
-    """Under ``vllm serve`` (its entry module loaded, ``serve_http`` not yet called: the plugin
-    loads while the engine client is built), wrap ``serve_http`` so that the server's end
-    raises ``SystemExit(1)`` when kvproof stopped the engine."""
-    entry = sys.modules.get(_SERVE_ENTRY)
-    if entry is None or not hasattr(entry, "serve_http"):
-        return
-    original = entry.serve_http
-
-    async def serve_http(*args, **kwargs):
-        shutdown = await original(*args, **kwargs)
-
-        async def then():
-            await shutdown
-            if recorded(path):
-                raise SystemExit(1)
-
-        return then()
-
-    serve_http.__wrapped__ = original
-    entry.serve_http = serve_http

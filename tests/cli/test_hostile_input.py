@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvproof.cli import limits, values
+from kvproof.cli import limits
 from kvproof.cli.main import build_parser, main
 
 SMALL = ["--group", "full_attention:16", "--group", "mamba:16"]
