@@ -6,9 +6,12 @@ from __future__ import annotations
 import collections
 import json
 import os
+import pathlib
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -119,9 +122,16 @@ def test_a_killed_e2e_leaves_no_rank_and_no_file(tmp_path, long_trace, how):
 def test_what_a_process_group_sigkill_leaves_the_next_run_removes(tmp_path, long_trace):
     """SIGKILL to the whole process group (``kill -9 -PGID``): the caller and its fork server die
     with no cleanup, so the fork server's socket directory stays behind; it names its dead
-    owner, and the next e2e run removes it before it starts its own."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    owner, and the next e2e run removes it before it starts its own. (A short TMPDIR: under a
+    long one, such as pytest's under xdist, the directory goes to /tmp, shared with others.)"""
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp"))
+    try:
+        _sigkill_then_rerun(tmp, tmp_path, long_trace)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sigkill_then_rerun(tmp, tmp_path, long_trace) -> None:
     env = {**os.environ, "TMPDIR": str(tmp)}
     p = subprocess.Popen(
         [sys.executable, "-m", "kvproof", "e2e", long_trace, *HYBRID, "--max-model-len", "32768",

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
+import tempfile
 import urllib.error
 
 import pytest
@@ -29,6 +31,15 @@ pytest.importorskip("vllm")
 pytest.importorskip("psutil")
 
 from .serving import Server, last_line  # noqa: E402
+
+
+@pytest.fixture
+def short_tmp():
+    """A TMPDIR short enough for vLLM's IPC sockets (a Unix socket's path holds 107 bytes; pytest's
+    own folders, under xdist, are longer)."""
+    path = tempfile.mkdtemp(prefix="kvp-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_a_start_up_refusal_ends_vllms_output_with_one_kvproof_line():
@@ -47,9 +58,8 @@ def test_a_start_up_refusal_ends_vllms_output_with_one_kvproof_line():
         "own block size (a Mamba group's is not divided by DCP)")
 
 
-def test_log_mode_counts_a_leak_once_and_still_refuses_a_corrupting_write(tmp_path):
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+def test_log_mode_counts_a_leak_once_and_still_refuses_a_corrupting_write(short_tmp):
+    tmp = short_tmp
     server = Server(2, env={"KVPROOF_CONTRACTS": "slow", "KVPROOF_STAGING_GPU_MEMORY": "256MiB", "TMPDIR": str(tmp)},
                     metrics_dir=False, num_blocks=None, faults="pre-fix-width,leak")
     rng = random.Random(21)
