@@ -5,12 +5,13 @@ substitute manager or kvproof's checks. docs/vllm.md, "vLLM's own tests", has th
     python tools/peer_suite.py                              # stock only, the two default files
     python tools/peer_suite.py --checks cheap               # stock, and stock with kvproof's checks
     python tools/peer_suite.py --manager-class pkg.mod:Cls  # stock, and Cls in the Scheduler
-    python tools/peer_suite.py --table docs/vllm-peer-suite.md -k prefix
+    python tools/peer_suite.py -k prefix --table /tmp/prefix.md     # a subset, per-test table
 
 vLLM's tests are not part of kvproof: they come from vLLM's release sdist, fetched with pip into
 a cache folder (``--cache``, default ``$KVPROOF_PEER_CACHE`` or ``~/.cache/kvproof/peer-suite``)
 at the first run, or copied from an unpacked sdist (``--sdist DIR``). The sdist's commit must be
-the installed wheel's. Its extra dependencies (requirements/peer-suite.txt) it installs into the cache too.
+the installed wheel's. The suite's extra packages (requirements/peer-suite.txt) are installed
+into the cache too, and put on the test run's path only.
 
 How the environment is made to fit, without editing a test:
 * models: every Hugging Face model id the tests name gets a tiny local stand-in in a hub cache
@@ -31,8 +32,8 @@ import collections
 import glob
 import hashlib
 import json
-import shlex
 import os
+import shlex
 import shutil
 import subprocess
 import sys
