@@ -7,6 +7,7 @@ import json
 import sys
 
 from kvproof.cli.errors import EXIT_OK, EXIT_PROPERTY_FAILED, fail_bad_input
+from kvproof.cli.values import decimal_number
 
 HELP = "discharge the proof obligations (z3, CrossHair, exhaustive) and the canaries"
 
@@ -17,7 +18,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("prove", help=HELP, description=HELP)
     p.add_argument("--json", action="store_true", help="print a JSON list of {id, method, verdict, seconds, ...}")
     p.add_argument(
-        "--budget", type=float, default=DEFAULT_BUDGET, metavar="SECONDS",
+        "--budget", type=decimal_number, default=DEFAULT_BUDGET, metavar="SECONDS",
         help=f"deadline for the whole run, at most {MAX_BUDGET:.0f} (default {DEFAULT_BUDGET:.0f}); an "
         "obligation it cuts short fails as timeout or incomplete",
     )
