@@ -37,12 +37,9 @@ def run(args: argparse.Namespace) -> int:
     # torch is imported here only: the other subcommands work without it.
     import dataclasses
 
-    from kvproof.extras import MissingExtra, require
+    from kvproof.extras import require
 
-    try:
-        require("kernels", "this command")
-    except MissingExtra as e:
-        return fail_bad_input(PROG, str(e))
+    require("kernels", "this command")  # a MissingExtra: exit 2 (cli/guard.py)
 
     from kvproof.e2e.dcp import RankError
     from kvproof.e2e.model import ModelConfig

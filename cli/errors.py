@@ -10,20 +10,37 @@ EXIT_PROPERTY_FAILED = 1
 EXIT_BAD_INPUT = 2
 #: A bug in kvproof (an exception no command expected): one line, this status (EX_SOFTWARE).
 EXIT_INTERNAL_ERROR = 70
+#: The output could not be written (a closed stdout, a full disk): one line, this status (EX_IOERR).
+EXIT_OUTPUT_ERROR = 74
 #: Ended by a signal (Ctrl-C: SIGINT, or SIGTERM): 128 + the signal number, as shells report it.
 EXIT_SIGNAL_BASE = 128
 
 
 def one_line(message: str) -> str:
-    """``message`` on a single line (a value quoted in it may hold line breaks)."""
-    return " ".join(str(message).split("\n")).replace("\r", " ")
+    """``message`` on a single line that a terminal shows as it is: line breaks become spaces,
+    other control characters (an ANSI escape in a quoted value) their escape sequence."""
+    text = str(message).replace("\r\n", " ").replace("\n", " ").replace("\r", " ")
+    return text if text.isprintable() else "".join(c if c.isprintable() else printable(c)[1:-1] for c in text)
+
+
+def printable(text: str) -> str:
+    """``text`` itself when a terminal shows it as it is, else its quoted escaped form
+    (``repr``): a request id holding a newline or an ANSI escape cannot break a table."""
+    return text if text.isprintable() else repr(text)
 
 
 def print_error(prog: str, message: str) -> None:
     """``PROG: error: MESSAGE`` as one line on stderr; a closed stderr is ignored."""
+    say(f"{prog}: error: {one_line(message)}")
+
+
+def say(line: str) -> None:
+    """``line`` on stderr, flushed; nothing if stderr is closed (never stdout instead)."""
+    if sys.stderr is None:  # closed before the run: print(file=None) would write to stdout
+        return
     try:
-        print(f"{prog}: error: {one_line(message)}", file=sys.stderr, flush=True)
-    except (BrokenPipeError, OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
         pass
 
 

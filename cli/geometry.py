@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvproof.cli.errors import EXIT_OK, fail_bad_input
+from kvproof.cli.errors import EXIT_OK, fail_bad_input, printable
 from kvproof.cli.layout_args import add_layout_arguments, given_layout_flags, layout_config_from_args
 from kvproof.cli.presets import PRESETS
 from kvproof.spec.layout import Layout, resolve_layout
@@ -50,6 +50,9 @@ def layout_to_json(layout: Layout) -> dict:
 
 
 def format_table(rows: list[list[str]], right_align_from: int = 2) -> str:
+    """Rows as aligned columns; a cell a terminal would not show as it is (a request id with a
+    newline or an ANSI escape) appears quoted and escaped."""
+    rows = [[printable(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for r in rows:

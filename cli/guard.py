@@ -5,9 +5,15 @@ future, gets the same behaviour for free:
 
 - **Ctrl-C / SIGTERM**: one line (``kvproof X: interrupted``) and status 128 + the signal
   (130, 143). The command's ``finally`` blocks run first (e2e stops its ranks there).
-- **A closed stdout** (``kvproof replay t.jsonl | head -1``): later output is discarded and
+- **A reader that leaves** (``kvproof replay t.jsonl | head -1``): later output is discarded and
   the status is still the command's own -- a run that found violations exits 1 even when
   nobody read its table.
+- **Output that cannot be written** (a closed stdout, ``> /dev/full``, an I/O error): later
+  output is discarded, the command runs to its end, and then one line says why the output was
+  lost and the status is 74 (sysexits' EX_IOERR) -- unless the command failed on its own (1, 2).
+  ``--help`` and ``--version`` are output too.
+- **A missing optional extra** (``kvproof.extras.MissingExtra``, raised before any work): one
+  line naming the extra and its install command, status 2.
 - **Out of memory**: one line, status 2 (the input was too large for this machine).
 - **Any other exception** is a bug in kvproof: one line naming it, status 70. Set
   ``KVPROOF_DEBUG=1`` to get the traceback instead.
@@ -20,15 +26,19 @@ import os
 import signal
 import sys
 import threading
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 from kvproof.cli.errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERNAL_ERROR,
+    EXIT_OK,
+    EXIT_OUTPUT_ERROR,
     EXIT_SIGNAL_BASE,
     one_line,
     print_error,
+    say,
 )
+from kvproof.extras import MissingExtra
 
 
 class Interrupted(KeyboardInterrupt):
@@ -39,32 +49,42 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-class PipeTolerantStdout:
-    """Wraps stdout: once the reader has gone (BrokenPipeError), everything written later is
-    dropped and stdout's descriptor points at /dev/null, so neither this run nor the
-    interpreter's final flush fails on it."""
+class OutputGuard:
+    """Stands in for stdout while a command runs. Once a write fails, everything written later
+    is dropped and stdout's descriptor points at /dev/null, so neither this run nor the
+    interpreter's final flush fails on it. A reader that left (a broken pipe) is no error;
+    any other failure is kept in :attr:`error` (mutated by every write and flush).
+    ``inner`` None is a stdout that was closed before the run began."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
-        self.reader_gone = False
+        self.dropping = inner is None
+        self.error: Optional[str] = None
 
     def write(self, text: str) -> int:
-        if not self.reader_gone:
+        if not self.dropping:
             try:
                 return self.inner.write(text)
-            except BrokenPipeError:
-                self._drop_output()
+            except (OSError, ValueError) as e:  # ValueError: a stdout someone closed
+                self._failed(e)
+        elif self.inner is None and text and self.error is None:
+            self.error = "stdout is closed"
         return len(text)
 
     def flush(self) -> None:
-        if not self.reader_gone:
+        if not self.dropping:
             try:
                 self.inner.flush()
-            except BrokenPipeError:
-                self._drop_output()
+            except (OSError, ValueError) as e:
+                self._failed(e)
 
-    def _drop_output(self) -> None:
-        self.reader_gone = True
+    def isatty(self) -> bool:
+        return not self.dropping and self.inner.isatty()
+
+    def _failed(self, e: Exception) -> None:
+        self.dropping = True
+        if not isinstance(e, BrokenPipeError):
+            self.error = "stdout is closed" if isinstance(e, ValueError) else (e.strerror or str(e))
         try:
             fd = self.inner.fileno()
         except (AttributeError, OSError, ValueError):
@@ -76,7 +96,22 @@ class PipeTolerantStdout:
             os.close(devnull)
 
     def __getattr__(self, name: str):
+        if self.inner is None:
+            raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+def _fill_closed_descriptors() -> None:
+    """Open /dev/null on a closed stdin, stdout or stderr: otherwise the next file this process
+    opens takes that number, and whatever a child process prints lands in it."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            devnull = os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
+            if devnull != fd:
+                os.dup2(devnull, fd)
+                os.close(devnull)
 
 
 def _raise_interrupted(signum: int, frame) -> None:
@@ -104,19 +139,35 @@ def _ignore_signals() -> None:
             signal.signal(s, signal.SIG_IGN)
 
 
+def _exit_code(code: object) -> int:
+    """The status a ``SystemExit(code)`` stands for (argparse's --help: None or 0)."""
+    if code is None:
+        return EXIT_OK
+    return code if isinstance(code, int) else EXIT_BAD_INPUT
+
+
 def run_command(prog: str, run: Callable[[], int]) -> int:
-    """``run()``'s exit status, with the handling described in the module docstring."""
+    """``run()``'s exit status, with the handling described in the module docstring
+    (``SystemExit`` included: argparse's --help, --version and refusals)."""
+    _fill_closed_descriptors()
     stdout = sys.stdout
-    sys.stdout = guarded = PipeTolerantStdout(stdout)
+    sys.stdout = guard = OutputGuard(stdout)
     try:
         with _signals_raise():
             try:
-                return run()
+                try:
+                    code = run()
+                except SystemExit as e:
+                    code = _exit_code(e.code)
+                guard.flush()  # what is still buffered fails here, not in the interpreter's last flush
             except KeyboardInterrupt as e:  # Ctrl-C arriving outside the handler's window too
                 _ignore_signals()
                 signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
-                _say(f"{prog}: {'interrupted' if signum == signal.SIGINT else 'terminated'}")
+                say(f"{prog}: {'interrupted' if signum == signal.SIGINT else 'terminated'}")
                 return EXIT_SIGNAL_BASE + signum
+            except MissingExtra as e:
+                print_error(prog, str(e))
+                return EXIT_BAD_INPUT
             except MemoryError:
                 print_error(prog, "out of memory: the input is too large for this machine")
                 return EXIT_BAD_INPUT
@@ -127,12 +178,8 @@ def run_command(prog: str, run: Callable[[], int]) -> int:
                             f"{one_line(str(e))[:500]}; KVPROOF_DEBUG=1 shows the traceback")
                 return EXIT_INTERNAL_ERROR
     finally:
-        guarded.flush()  # a reader that left now must not fail the interpreter's last flush
         sys.stdout = stdout
-
-
-def _say(line: str) -> None:
-    try:
-        print(line, file=sys.stderr, flush=True)
-    except (OSError, ValueError):
-        pass
+    if guard.error is None or code == EXIT_BAD_INPUT:
+        return code
+    print_error(prog, f"cannot write the output: {guard.error}")
+    return EXIT_OUTPUT_ERROR if code == EXIT_OK else code

@@ -6,7 +6,7 @@ import sys
 
 from kvproof import __version__
 from kvproof.cli import e2e, geometry, plan, prove, replay
-from kvproof.cli.errors import EXIT_BAD_INPUT, OneLineArgumentParser, fail_bad_input
+from kvproof.cli.errors import OneLineArgumentParser, fail_bad_input
 from kvproof.cli.guard import run_command
 
 #: Subcommand modules; each has ``add_parser(subparsers)`` and sets ``run`` as a default.
@@ -22,13 +22,13 @@ def build_parser() -> OneLineArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineArgumentParser)
     for command in COMMANDS:
         command.add_parser(sub)
-    parser.set_defaults(command_names=tuple(sub.choices))
+    parser.set_defaults(command_names=tuple(sub.choices), command_parsers=dict(sub.choices))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit status (argparse's own exits included: --help is 0,
-    bad flags 2). Signals, a closed stdout and unexpected errors: ``cli/guard.py``."""
+    bad flags 2). Signals, output errors and unexpected errors: ``cli/guard.py``."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     names = parser.get_default("command_names")
@@ -36,15 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     prog = f"kvproof {command}" if command in names else "kvproof"
 
     def dispatch() -> int:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
         if args.command is None:
             return fail_bad_input("kvproof", f"a command is required; expected one of {', '.join(names)} (see kvproof --help)")
+        if extra:  # refused by the command's parser, so that the line names the command
+            args.command_parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
         return args.run(args)
 
-    try:
-        return run_command(prog, dispatch)
-    except SystemExit as e:  # --help, --version, or bad flags (already reported on one line)
-        return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
+    return run_command(prog, dispatch)
 
 
 if __name__ == "__main__":

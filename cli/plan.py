@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 from kvproof.cli.errors import EXIT_OK, EXIT_PROPERTY_FAILED, fail_bad_input
 from kvproof.cli.layout_args import add_layout_arguments, layout_config_from_args
 from kvproof.cli.presets import PRESETS
+from kvproof.cli.values import (
+    any_decimal,
+    block_count,
+    decimal,
+    decimal_number,
+    parse_decimal,
+    parse_decimal_number,
+    token_count,
+)
 from kvproof.spec.eviction import LRU, POLICIES
 
 HELP = "plan hit rate, memory and block tables per DCP size on a workload (default: real Kimi chat traffic)"
@@ -20,25 +28,28 @@ DEFAULT_DCPS = (1, 2, 4, 8)
 DEFAULT_KV_MEMORY_GIB = 40.0
 #: The automatic memory sweep: the KV memory per GPU times these factors.
 SWEEP_FACTORS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
+#: argparse types of plan's own counts (the others are cli/values.py's).
+sequence_count = decimal(1 << 30, "each running request takes at least one token of a step's budget")
+job_count = decimal(1024, "worker processes replaying at once")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("plan", help=HELP, description=HELP, conflict_handler="resolve")
     w = p.add_argument_group("workload (default: the first 1,000 requests of the Mooncake conversation trace)")
     w.add_argument("--trace", metavar="FILE", help="a trace in kvproof's JSON Lines or the Mooncake format (detected)")
-    w.add_argument("--limit", type=int, metavar="N", help="only the first N requests of the trace")
-    w.add_argument("--step-ms", type=float, default=50.0, metavar="MS",
+    w.add_argument("--limit", type=any_decimal, metavar="N", help="only the first N requests of the trace")
+    w.add_argument("--step-ms", type=decimal_number, default=50.0, metavar="MS",
                    help="wall time of one scheduler step, mapping timestamps to steps (default 50)")
     w.add_argument("--generate", action="store_true", help="a generated multi-turn chat workload instead of a trace")
-    w.add_argument("--requests", type=int, default=1000, help="generator: requests (default 1000)")
-    w.add_argument("--system-prompts", type=int, default=8, help="generator: shared system prompts (default 8)")
+    w.add_argument("--requests", type=any_decimal, default=1000, help="generator: requests (default 1000)")
+    w.add_argument("--system-prompts", type=any_decimal, default=8, help="generator: shared system prompts (default 8)")
     w.add_argument("--system-prompt-len", default="500-4000", metavar="LO-HI", help="generator: their lengths (default 500-4000)")
     w.add_argument("--suffix-len", default="20-1000", metavar="LO-HI", help="generator: unique user message lengths (default 20-1000)")
-    w.add_argument("--continuation", type=float, default=0.5, metavar="P",
+    w.add_argument("--continuation", type=decimal_number, default=0.5, metavar="P",
                    help="generator: probability that a request continues an earlier conversation (default 0.5)")
     w.add_argument("--output-len", default="20-600", metavar="LO-HI", help="generator: output lengths (default 20-600)")
-    w.add_argument("--rate", type=float, default=4.0, help="generator: arrivals per second (default 4)")
-    w.add_argument("--seed", type=int, default=0, help="generator: random seed (default 0)")
+    w.add_argument("--rate", type=decimal_number, default=4.0, help="generator: arrivals per second (default 4)")
+    w.add_argument("--seed", type=any_decimal, default=0, help="generator: random seed (default 0)")
     add_layout_arguments(p, default_preset=DEFAULT_PRESET)
     p.add_argument("--dcp", default=",".join(map(str, DEFAULT_DCPS)), metavar="N[,N...]",
                    help="DCP sizes to compare (default 1,2,4,8)")
@@ -46,16 +57,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="eviction policies to compare side by side: lru (default, vLLM's), compute "
                    "(the least prefill compute lost per byte, aged by recency)")
     m = p.add_argument_group("memory (default: 40 GiB per GPU, bytes from the preset)")
-    m.add_argument("--kv-memory-gib", type=float, metavar="GIB", help=f"KV memory per GPU (default {DEFAULT_KV_MEMORY_GIB:g})")
-    m.add_argument("--num-blocks", type=int, help="the pool in blocks (null block included) instead of KV memory")
-    m.add_argument("--bytes-per-token", type=int, help="one token of one attention layer on one GPU")
-    m.add_argument("--bytes-per-state", type=int, help="one Mamba / linear-attention state of one layer on one GPU")
+    m.add_argument("--kv-memory-gib", type=decimal_number, metavar="GIB", help=f"KV memory per GPU (default {DEFAULT_KV_MEMORY_GIB:g})")
+    m.add_argument("--num-blocks", type=block_count, help="the pool in blocks (null block included) instead of KV memory")
+    m.add_argument("--bytes-per-token", type=any_decimal, help="one token of one attention layer on one GPU")
+    m.add_argument("--bytes-per-state", type=any_decimal, help="one Mamba / linear-attention state of one layer on one GPU")
     m.add_argument("--layers", metavar="N[,N...]", help="layers per cache group, in --group order")
     m.add_argument("--memory-sweep", nargs="?", const="auto", metavar="GIB[,GIB...]",
                    help="also plan these KV memory sizes per GPU (default: 1/32 .. 1/2 of --kv-memory-gib)")
     r = p.add_argument_group("run")
-    r.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step (default 8192, as vLLM's server)")
-    r.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once (default 256)")
+    r.add_argument("--max-num-batched-tokens", type=token_count, default=8192, help="token budget per step (default 8192, as vLLM's server)")
+    r.add_argument("--max-num-seqs", type=sequence_count, default=256, help="requests running at once (default 256)")
     r.add_argument("--eagle", action="store_true", help="EAGLE/MTP: hits drop one hash unit for the draft")
     r.add_argument("--no-partial-hash-hits", action="store_true", help="hits only on whole scheduler blocks")
     r.add_argument("--oracle", action="store_true",
@@ -63,7 +74,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--engine", choices=("kvproof", "vllm"), default="kvproof",
                    help="kvproof's contract-checked scheduler and manager (default); 'vllm' also runs vLLM 0.33.0's "
                    "own scheduler and manager on the CPU, side by side")
-    r.add_argument("--jobs", type=int, help="configurations replayed at once (default: one per core)")
+    r.add_argument("--jobs", type=job_count, help="configurations replayed at once (default: one per core)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object")
     o.add_argument("--plot", metavar="FILE.png", help="hit rate and memory against DCP size (needs matplotlib)")
@@ -74,10 +85,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _int_list(text: str, what: str, low: int, high: int, unique: bool = True) -> tuple[int, ...]:
     out = []
     for part in text.split(","):
-        part = part.strip()
-        if not part.isascii() or not part.isdigit() or not low <= int(part) <= high:
+        try:
+            value = parse_decimal(part, what)
+        except ValueError as e:
+            raise ValueError(f"{e} (in {text!r})") from None
+        if not low <= value <= high:
             raise ValueError(f"{what} {part!r} in {text!r} must be an integer in [{low}, {high}]")
-        out.append(int(part))
+        out.append(value)
     return tuple(dict.fromkeys(out)) if unique else tuple(out)
 
 
@@ -95,9 +109,12 @@ def _range(text: str, what: str) -> tuple[int, int]:
     parts = text.split("-")
     if len(parts) == 1:
         parts = parts * 2
-    if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
-        raise ValueError(f"{what} {text!r} must be LO-HI (or one length), e.g. 100-2000")
-    return int(parts[0]), int(parts[1])
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        return parse_decimal(parts[0], what), parse_decimal(parts[1], what)
+    except ValueError:
+        raise ValueError(f"{what} {text!r} must be LO-HI (or one length) in decimal digits, e.g. 100-2000") from None
 
 
 def _gib_list(text: str, base: float) -> tuple[float, ...]:
@@ -106,11 +123,11 @@ def _gib_list(text: str, base: float) -> tuple[float, ...]:
     out = []
     for part in text.split(","):
         try:
-            value = float(part)
+            value = parse_decimal_number(part, "memory size")
         except ValueError:
-            value = math.nan
-        if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"memory size {part!r} in --memory-sweep must be a positive number of GiB")
+            value = 0.0
+        if value <= 0:
+            raise ValueError(f"memory size {part!r} in --memory-sweep must be a positive decimal number of GiB")
         out.append(value)
     return tuple(dict.fromkeys(out))
 
@@ -152,7 +169,7 @@ def _memory(args: argparse.Namespace, from_preset: bool):
     if args.layers is None and preset is None:
         raise ValueError("--layers is required with --bytes-per-token / --bytes-per-state for a layout without a preset")
     return ModelMemory(
-        _int_list(args.layers, "layer count", 1, 10_000, unique=False) if args.layers else preset.layers,
+        _int_list(args.layers, "layer count", 1, 10_000, unique=False) if args.layers is not None else preset.layers,
         args.bytes_per_token if args.bytes_per_token is not None else (preset.bytes_per_token if preset else 0),
         args.bytes_per_state if args.bytes_per_state is not None else (preset.bytes_per_state if preset else 0),
     )

@@ -7,6 +7,7 @@ import json
 import sys
 
 from kvproof.cli.errors import EXIT_OK, EXIT_PROPERTY_FAILED, fail_bad_input
+from kvproof.cli.values import decimal_number
 
 HELP = "discharge the proof obligations (z3, CrossHair, exhaustive) and the canaries"
 
@@ -17,7 +18,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("prove", help=HELP, description=HELP)
     p.add_argument("--json", action="store_true", help="print a JSON list of {id, method, verdict, seconds, ...}")
     p.add_argument(
-        "--budget", type=float, default=DEFAULT_BUDGET, metavar="SECONDS",
+        "--budget", type=decimal_number, default=DEFAULT_BUDGET, metavar="SECONDS",
         help=f"deadline for the whole run, at most {MAX_BUDGET:.0f} (default {DEFAULT_BUDGET:.0f}); an "
         "obligation it cuts short fails as timeout or incomplete",
     )
@@ -53,13 +54,11 @@ def format_results(results) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvproof.extras import MissingExtra, require
+    from kvproof.extras import require
+
+    require("proofs", "this command")  # before the runner imports z3; a MissingExtra: exit 2 (cli/guard.py)
     from kvproof.proofs.runner import MAX_BUDGET, run_all, select
 
-    try:
-        require("proofs", "this command")
-    except MissingExtra as e:
-        return fail_bad_input("kvproof prove", str(e))
     if not 0 < args.budget <= MAX_BUDGET:  # also refuses nan and inf
         return fail_bad_input(
             "kvproof prove", f"--budget {args.budget} must be a number of seconds in (0, {MAX_BUDGET:.0f}]"

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from kvproof.cli.errors import EXIT_OK, EXIT_PROPERTY_FAILED, fail_bad_input
+from kvproof.cli.errors import EXIT_OK, EXIT_PROPERTY_FAILED, fail_bad_input, one_line
 from kvproof.cli.geometry import format_table
 from kvproof.cli.layout_args import add_layout_arguments, layout_config_from_args
 from kvproof.cli.limits import REPLAY_BYTES_PER_BLOCK, check_memory
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         if result.violations:
             print(f"\n{len(result.violations)} violation(s):")
             for v in result.violations:
-                print(f"  {v}")
+                print(f"  {one_line(v)}")
         else:
             print("no violations")
     if result.violations:

@@ -1,10 +1,14 @@
-"""Numbers on the command line: plain decimal integers only, and the caps on sizes.
+"""Numbers on the command line, for every command: plain decimal numbers only, and the caps on
+sizes.
 
-Python's ``int()`` also reads ``1_6``, ``+16``, `` 16 `` and ``١٦`` (Arabic-Indic digits) as 16;
-a flag that silently means something else than what was typed is refused instead. Lower bounds
-(``dcp 0``) are checked by the layer that owns the value (spec, scheduler), with its message;
-the caps here keep absurd sizes from reaching arithmetic that overflows or memory that is not
-there (docs/replay.md, "Limits").
+Python's ``int()`` also reads ``1_6``, ``+16``, `` 16 ``, ``１６`` (full-width) and ``١٦``
+(Arabic-Indic digits) as 16, and ``float()`` reads ``1e3``, ``inf`` and ``nan``; a flag that
+silently means something else than what was typed is refused instead. Every numeric flag, list
+(``--dcp 1,2,4``) and range (``100-2000``) goes through :func:`parse_decimal` or
+:func:`parse_decimal_number`. Lower bounds (``dcp 0``) are checked by the layer that owns the
+value (spec, scheduler, planner), with its message; the caps here keep absurd sizes from
+reaching arithmetic that overflows or memory that is not there (docs/replay.md, "Errors and
+limits").
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import re
 from typing import Callable
 
 _DECIMAL = re.compile(r"-?[0-9]+")
+_DECIMAL_NUMBER = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
 #: More digits than any cap below: refused before int() (which refuses past 4300 digits).
 _MAX_DIGITS = 24
 
@@ -38,6 +43,16 @@ def parse_decimal(text: str, what: str) -> int:
     return int(text)
 
 
+def parse_decimal_number(text: str, what: str) -> float:
+    """``text`` as a decimal number (ASCII digits with an optional '.' and leading '-'; no
+    exponent, ``inf`` or ``nan``). ValueError naming ``what`` and the text otherwise."""
+    if not _DECIMAL_NUMBER.fullmatch(text):
+        raise ValueError(f"{what} {text!r} is not a decimal number; expected digits 0-9 with an optional '.'")
+    if len(text.lstrip("-")) > _MAX_DIGITS:
+        raise ValueError(f"{what} {text[:12]}... ({len(text)} characters) is too long")
+    return float(text)
+
+
 def check_at_most(value: int, limit: int, what: str, why: str) -> int:
     if value > limit:
         raise ValueError(f"{what} {value} is too large; expected at most {limit:,} ({why})")
@@ -60,6 +75,16 @@ def decimal(limit: int | None = None, why: str = "", minimum: int | None = None)
     parse.__name__ = "decimal integer"
     return parse
 
+
+def decimal_number(text: str) -> float:
+    """An argparse ``type``: a decimal number (range: the layer that owns the value)."""
+    try:
+        return parse_decimal_number(text, "value")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("value ")) from None
+
+
+decimal_number.__name__ = "decimal number"
 
 #: argparse types of the numeric flags.
 token_count = decimal(TOKEN_LIMIT, "2**30 tokens, the longest context kvproof accepts")

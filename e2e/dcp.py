@@ -14,7 +14,8 @@ is killed (even by SIGKILL), and on Linux the kernel also kills it when the fork
 forked it dies (``PR_SET_PDEATHSIG``). Whenever the caller leaves :func:`spawn_ranks` -- an
 error, Ctrl-C, a timeout -- the ranks still running are terminated and reaped first. The fork
 server's socket directory, which a killed caller cannot remove, is removed by the fork server
-itself when it ends (:mod:`kvproof.e2e.forkserver_exit`).
+itself when it ends (:mod:`kvproof.e2e.forkserver_exit`), and when both were killed, by the
+next run (it names its owner: :mod:`kvproof.leftovers`).
 
 The communicators give the model the two collectives it needs: ``all_gather`` (attention
 partials and their log-sum-exp) and ``broadcast_object`` (rank 0's scheduler plan).
@@ -33,6 +34,7 @@ import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import pickle
+import shutil
 import signal
 import socket
 import sys
@@ -44,6 +46,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+from kvproof import leftovers
 
 #: Seconds a collective may wait for a peer before gloo gives up (a rank that died or hung).
 COLLECTIVE_TIMEOUT_S = 120
@@ -262,27 +266,43 @@ def _sigint_ignored_by_children() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-#: ``sun_path`` holds 108 bytes; the server's socket is ``<tmp>/pymp-XXXXXXXX/listener-XXXXXXXX``.
-_SOCKET_PATH_MAX, _SOCKET_SUFFIX = 107, len("/pymp-xxxxxxxx/listener-xxxxxxxx")
+#: ``sun_path`` holds 108 bytes; the server's socket is ``<directory>/listener-XXXXXXXX``.
+_SOCKET_PATH_MAX, _SOCKET_SUFFIX = 107, len("/listener-xxxxxxxx")
+#: The socket directory: ``<tmp>/kvproof-<owner>`` (kvproof.leftovers), so that the
+#: next run removes one that a killed run left (its fork server killed with it).
+SOCKET_DIR_PREFIX = "kvproof-"
 
 
 def _socket_temp_dir() -> str:
-    """multiprocessing's temporary directory (removed when this process ends), made under
-    ``/tmp`` when the temporary directory's path (TMPDIR) is too long for a Unix socket."""
+    """multiprocessing's temporary directory (removed when this process ends, or by the fork
+    server when it ends, or by the next run if both were killed). Directories that killed runs
+    left are removed first."""
+    config = multiprocessing.process.current_process()._config  # where get_temp_dir keeps it
+    if config.get("tempdir") is not None:
+        return config["tempdir"]
+    base = _socket_dir_base()
+    leftovers.remove_stale(base, SOCKET_DIR_PREFIX)
+    path = config["tempdir"] = leftovers.make_temp_dir(SOCKET_DIR_PREFIX, base)
+    # As multiprocessing.util.get_temp_dir registers the removal of a directory it makes.
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(path, True), exitpriority=-100)
+    return path
+
+
+def _socket_dir_base() -> str:
+    """Where the socket directory goes: the temporary directory, or ``/tmp`` when that path
+    (TMPDIR) is too long for a Unix socket. ValueError if neither will do."""
     base = tempfile.gettempdir()
-    if len(os.fsencode(base)) + _SOCKET_SUFFIX <= _SOCKET_PATH_MAX:
-        return multiprocessing.util.get_temp_dir()
+    name = SOCKET_DIR_PREFIX + leftovers.owner_tag()
+    if len(os.fsencode(os.path.join(base, name))) + _SOCKET_SUFFIX <= _SOCKET_PATH_MAX:
+        return base
     if not os.access("/tmp", os.W_OK | os.X_OK):
+        most = _SOCKET_PATH_MAX - _SOCKET_SUFFIX - len(name) - 1
         raise ValueError(
             f"the temporary directory {base!r} ({len(os.fsencode(base))} bytes) is too long for the rank "
-            f"processes' Unix socket (at most {_SOCKET_PATH_MAX - _SOCKET_SUFFIX} bytes) and /tmp is not "
-            "writable; set TMPDIR to a shorter directory"
+            f"processes' Unix socket (at most {most} bytes) and /tmp is not writable; set TMPDIR to a shorter "
+            "directory"
         )
-    saved, tempfile.tempdir = tempfile.tempdir, "/tmp"
-    try:
-        return multiprocessing.util.get_temp_dir()
-    finally:
-        tempfile.tempdir = saved
+    return "/tmp"
 
 
 def _run_once(fn: Callable, world_size: int, args: tuple, timeout_s: float) -> _Outcome:

@@ -5,7 +5,8 @@ The server ends once its client -- the kvproof process that started it -- and ev
 forked have exited. A client that exits normally removes that directory itself; one that was
 killed (SIGKILL, out of memory) cannot, so the server does it. The directory is named in
 ``KVPROOF_FORKSERVER_DIR``, which the client sets only while it starts the server; the variable
-is dropped here so that ranks forked later never see it.
+is dropped here so that ranks forked later never see it. If the server is killed too (a SIGKILL
+to the process group), the next run removes the directory: its name says whose it is.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import shutil
 
 _directory = os.environ.pop("KVPROOF_FORKSERVER_DIR", None)
-if _directory and os.path.basename(_directory).startswith("pymp-"):
+if _directory and os.path.basename(_directory).startswith("kvproof-"):  # dcp.SOCKET_DIR_PREFIX
     _server = os.getpid()
 
     def _remove_socket_directory() -> None:

@@ -17,10 +17,9 @@ the expanded trace is never held whole (the full file is 145 M prompt tokens).
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Iterator, Optional
 
-from kvproof.impl.trace import TraceError, TraceRequest
+from kvproof.impl.trace import INT_LIMIT, TraceError, TraceRequest, decode_line, show_value, trace_lines
 
 #: Tokens per Mooncake hash id.
 MOONCAKE_BLOCK = 512
@@ -52,9 +51,9 @@ def is_mooncake_record(obj: object) -> bool:
 def _non_negative_int(obj: dict, name: str, lineno: int, upper: Optional[int] = None) -> int:
     value = obj.get(name)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise TraceError(f"line {lineno}: {name!r} {value!r} must be a non-negative integer")
+        raise TraceError(f"line {lineno}: {name!r} {show_value(value)} must be a non-negative integer")
     if upper is not None and value > upper:
-        raise TraceError(f"line {lineno}: {name!r} {value} is too large; expected at most {upper}")
+        raise TraceError(f"line {lineno}: {name!r} {show_value(value)} is too large; expected at most {upper:,}")
     return value
 
 
@@ -68,7 +67,7 @@ def parse_mooncake_record(obj: object, lineno: int, index: int) -> MooncakeReque
             ("; " if missing and unknown else "") + (f"unknown {', '.join(sorted(unknown))}" if unknown else "")
         )
         raise TraceError(f"line {lineno}: Mooncake record has {what}; expected {', '.join(sorted(_FIELDS))}")
-    timestamp = _non_negative_int(obj, "timestamp", lineno)
+    timestamp = _non_negative_int(obj, "timestamp", lineno, upper=INT_LIMIT - 1)  # ms, as an int64 holds
     input_length = _non_negative_int(obj, "input_length", lineno)
     output_length = _non_negative_int(obj, "output_length", lineno, upper=OUTPUT_STRIDE - 1)
     ids = obj["hash_ids"]
@@ -81,33 +80,25 @@ def parse_mooncake_record(obj: object, lineno: int, index: int) -> MooncakeReque
     expected = -(-input_length // MOONCAKE_BLOCK)
     if len(ids) != expected:
         raise TraceError(
-            f"line {lineno}: {len(ids)} hash_ids for input_length {input_length}; expected "
+            f"line {lineno}: {len(ids)} hash_ids for input_length {show_value(input_length)}; expected "
             f"{expected} (one per {MOONCAKE_BLOCK} tokens)"
         )
     return MooncakeRequest(index, timestamp, input_length, output_length, tuple(ids))
 
 
 def iter_mooncake(path: str, limit: Optional[int] = None) -> Iterator[MooncakeRequest]:
-    """The file's requests in order, parsed lazily (at most ``limit``). Raises ValueError
-    naming the file, and for a bad line its number and field."""
+    """The file's requests in order, parsed lazily (at most ``limit``; the file is read once, a
+    gzip stream too: ``trace.trace_lines``). Raises ValueError naming the file, and for a bad
+    line its number and field."""
     index = 0
     try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, text in enumerate(f, start=1):
-                if limit is not None and index >= limit:
-                    return
-                if not text.strip():
-                    continue
-                try:
-                    obj = json.loads(text)
-                except json.JSONDecodeError as e:
-                    raise TraceError(f"line {lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-                yield parse_mooncake_record(obj, lineno, index)
-                index += 1
-    except OSError as e:
-        raise ValueError(f"cannot read trace {path!r}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start} of a line)") from None
+        for lineno, raw in enumerate(trace_lines(path), start=1):
+            if limit is not None and index >= limit:
+                return
+            if not raw.strip():
+                continue
+            yield parse_mooncake_record(decode_line(raw, lineno), lineno, index)
+            index += 1
     except TraceError as e:
         raise ValueError(f"{path}: {e}") from None
 

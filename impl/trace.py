@@ -6,13 +6,20 @@
 one per step. ``output``, ``arrival`` and ``cache_salt`` are optional (``[]``, ``0``, ``null``).
 Token ids and arrivals are integers in ``[0, 2**63)`` (int64, what torch and the e2e model
 take); ids and salts are Unicode text (no lone surrogates); a line is UTF-8.
+
+A trace file is read once, front to back (:func:`trace_lines`): a pipe, ``/dev/stdin``, a FIFO
+or a process substitution reads as a file does, and a gzip stream (``.gz``, recognised by its
+first bytes) is decompressed on the way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gzip
 import json
-from typing import Iterable, Optional, Union
+import zlib
+from typing import Iterable, Iterator, Optional, Union
 
 #: Token ids and arrival steps are below this (signed 64-bit integers).
 INT_LIMIT = 1 << 63
@@ -40,14 +47,14 @@ class TraceRequest:
 _FIELDS = {"id", "prompt", "output", "arrival", "cache_salt"}
 
 
-def _show(value: object, limit: int = 40) -> str:
+def show_value(value: object, limit: int = 40) -> str:
     """``repr(value)``, cut to ``limit`` characters (an error line stays one readable line)."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _where(lineno: int, rid: Optional[str]) -> str:
-    return f"line {lineno}" + (f" (request {_show(rid)})" if rid is not None else "")
+    return f"line {lineno}" + (f" (request {show_value(rid)})" if rid is not None else "")
 
 
 def _tokens(value, name: str, lineno: int, rid: str, allow_empty: bool) -> tuple[int, ...]:
@@ -57,7 +64,7 @@ def _tokens(value, name: str, lineno: int, rid: str, allow_empty: bool) -> tuple
     if not all(type(t) is int and 0 <= t < INT_LIMIT for t in value):
         i, bad = next((i, t) for i, t in enumerate(value) if not (type(t) is int and 0 <= t < INT_LIMIT))
         raise TraceError(
-            f"{_where(lineno, rid)}: {name!r} token {_show(bad)} at index {i} is not a token id; "
+            f"{_where(lineno, rid)}: {name!r} token {show_value(bad)} at index {i} is not a token id; "
             f"expected an integer with 0 <= id < 2**63"
         )
     if not value and not allow_empty:
@@ -70,7 +77,7 @@ def _text(value: str, name: str, lineno: int, rid: Optional[str]) -> str:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
         raise TraceError(
-            f"{_where(lineno, rid)}: {name!r} {_show(value)} is not valid Unicode "
+            f"{_where(lineno, rid)}: {name!r} {show_value(value)} is not valid Unicode "
             f"(lone surrogate at index {e.start}); expected text"
         ) from None
     return value
@@ -81,11 +88,12 @@ def _no_duplicate_keys(pairs: list) -> dict:
     if len(obj) != len(pairs):
         seen: set = set()
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise TraceError(f"field {_show(dup)} appears twice in one object")
+        raise TraceError(f"field {show_value(dup)} appears twice in one object")
     return obj
 
 
-def _decode(raw: Union[bytes, str], lineno: int) -> object:
+def decode_line(raw: Union[bytes, str], lineno: int) -> object:
+    """One line (bytes: UTF-8) as JSON, each key at most once. Raises TraceError naming the line."""
     if isinstance(raw, bytes):
         try:
             raw = raw.decode("utf-8")
@@ -106,12 +114,16 @@ def _decode(raw: Union[bytes, str], lineno: int) -> object:
 
 def parse_line(text: Union[bytes, str], lineno: int) -> TraceRequest:
     """One line (bytes: UTF-8) -> TraceRequest. Raises TraceError naming the line and field."""
-    obj = _decode(text, lineno)
+    return request_from_object(decode_line(text, lineno), lineno)
+
+
+def request_from_object(obj: object, lineno: int) -> TraceRequest:
+    """A decoded line -> TraceRequest. Raises TraceError naming the line and field."""
     if not isinstance(obj, dict):
         raise TraceError(f"line {lineno}: expected a JSON object, got {type(obj).__name__}")
     unknown = set(obj) - _FIELDS
     if unknown:
-        raise TraceError(f"line {lineno}: unknown field(s) {', '.join(sorted(map(_show, unknown)))}; "
+        raise TraceError(f"line {lineno}: unknown field(s) {', '.join(sorted(map(show_value, unknown)))}; "
                          f"expected {', '.join(sorted(_FIELDS))}")
     if "id" not in obj or not isinstance(obj["id"], str) or not obj["id"]:
         raise TraceError(f"line {lineno}: 'id' must be a non-empty string")
@@ -120,11 +132,11 @@ def parse_line(text: Union[bytes, str], lineno: int) -> TraceRequest:
         raise TraceError(f"{_where(lineno, rid)}: missing 'prompt'")
     arrival = obj.get("arrival", 0)
     if type(arrival) is not int or not 0 <= arrival < INT_LIMIT:
-        raise TraceError(f"{_where(lineno, rid)}: 'arrival' {_show(arrival)} must be a scheduler step, an integer with "
+        raise TraceError(f"{_where(lineno, rid)}: 'arrival' {show_value(arrival)} must be a scheduler step, an integer with "
                          "0 <= step < 2**63")
     salt = obj.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
-        raise TraceError(f"{_where(lineno, rid)}: 'cache_salt' {_show(salt)} must be a string or null")
+        raise TraceError(f"{_where(lineno, rid)}: 'cache_salt' {show_value(salt)} must be a string or null")
     return TraceRequest(
         id=rid,
         prompt=_tokens(obj["prompt"], "prompt", lineno, rid, allow_empty=False),
@@ -143,22 +155,52 @@ def parse_trace(lines: Iterable[Union[bytes, str]]) -> list[TraceRequest]:
             continue
         req = parse_line(text, lineno)
         if req.id in seen:
-            raise TraceError(f"line {lineno}: duplicate request id {_show(req.id)} (first on line {seen[req.id]})")
+            raise TraceError(f"line {lineno}: duplicate request id {show_value(req.id)} (first on line {seen[req.id]})")
         seen[req.id] = lineno
         out.append(req)
     return out
 
 
-def read_trace(path: str) -> list[TraceRequest]:
-    """Parse the trace file at ``path``. Raises ValueError naming the file (and for a malformed
-    line, the line number, the field and the problem)."""
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+@contextlib.contextmanager
+def _opened(path: str) -> Iterator:
+    """``path`` opened for reading bytes, through gzip when its first two bytes say so (peeked,
+    so a pipe is not read twice)."""
+    with open(path, "rb") as f:
+        if f.peek(2)[:2] == _GZIP_MAGIC:
+            with gzip.GzipFile(fileobj=f, mode="rb") as g:
+                yield g
+        else:
+            yield f
+
+
+def trace_lines(path: str) -> Iterator[bytes]:
+    """The lines of the file at ``path``, read once (any readable stream; gzip decompressed).
+    Raises ValueError naming the file when it cannot be read, or its gzip stream is damaged."""
     try:
-        with open(path, "rb") as f:
-            return parse_trace(f)
+        with _opened(path) as f:
+            yield from f
+    except gzip.BadGzipFile as e:
+        raise ValueError(f"{path}: not a valid gzip stream ({e})") from None
     except OSError as e:
         raise ValueError(f"cannot read trace {path!r}: {e.strerror or e}") from None
+    except (EOFError, zlib.error) as e:  # EOFError: the compressed stream stops before its end
+        raise ValueError(f"{path}: the gzip stream is damaged or cut short ({e})") from None
+
+
+def read_trace(path: str) -> list[TraceRequest]:
+    """Parse the trace file at ``path`` (read once; see :func:`trace_lines`). Raises ValueError
+    naming the file (and for a malformed line, the line number, the field and the problem),
+    also for a trace that holds no request."""
+    try:
+        trace = parse_trace(trace_lines(path))
     except TraceError as e:
         raise ValueError(f"{path}: {e}") from None
+    if not trace:
+        raise ValueError(f"{path}: the trace holds no request")
+    return trace
 
 
 def dump_trace(requests: Iterable[TraceRequest]) -> str:

@@ -2,10 +2,10 @@
 per file) or a generated multi-turn chat workload, replayed lazily.
 
 A :class:`Workload` holds one compact entry per request (arrival step, lengths, and what is
-needed to build its tokens: a file offset, Mooncake hash ids, or generator segments) sorted by
+needed to build its tokens: the line's text, Mooncake hash ids, or generator segments) sorted by
 arrival. :meth:`Workload.requests` builds each request's tokens only when the replay asks for
-it, so the expanded trace is never held whole. Reading a file validates every line up front:
-a malformed line fails before any replay work, with its number.
+it, so the expanded trace is never held whole. Reading a file reads it once and validates every
+line up front: a malformed line fails before any replay work, with its number.
 
 **Step-time model.** The scheduler counts steps, traces count milliseconds. Every scheduler
 step is taken to last ``step_ms`` milliseconds of wall time, whatever it computes, so a request
@@ -20,13 +20,20 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
 import random
 from typing import Callable, Iterator, NamedTuple, Optional
 
-from kvproof.impl.mooncake import MooncakeRequest, is_mooncake_record, iter_mooncake, to_trace_request
-from kvproof.impl.trace import TraceError, TraceRequest, parse_line
+from kvproof.impl.mooncake import MooncakeRequest, is_mooncake_record, parse_mooncake_record, to_trace_request
+from kvproof.impl.trace import (
+    TraceError,
+    TraceRequest,
+    decode_line,
+    parse_line,
+    request_from_object,
+    show_value,
+    trace_lines,
+)
 
 KVPROOF_FORMAT = "kvproof"
 MOONCAKE_FORMAT = "mooncake"
@@ -41,7 +48,7 @@ class Entry(NamedTuple):
     arrival: int
     prompt_len: int
     output_len: int
-    ref: object  # format-specific: a file offset, a MooncakeRequest, generator segments
+    ref: object  # format-specific: the line's text, a MooncakeRequest, generator segments
 
 
 @dataclasses.dataclass
@@ -90,100 +97,54 @@ def _check_limit(limit: Optional[int]) -> None:
 # --- trace files ----------------------------------------------------------------------------
 
 
-def detect_format(path: str) -> str:
-    """``"mooncake"`` or ``"kvproof"``, from the file's first non-blank line. Raises ValueError
-    naming the file (unreadable, empty, not JSON on that line)."""
-    try:
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                try:
-                    obj = json.loads(raw)
-                except (UnicodeDecodeError, ValueError) as e:
-                    detail = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8 text"
-                    raise ValueError(f"{path}: line {lineno}: not valid JSON ({detail})") from None
-                except RecursionError:
-                    raise ValueError(f"{path}: line {lineno}: JSON nested too deeply") from None
-                return MOONCAKE_FORMAT if is_mooncake_record(obj) else KVPROOF_FORMAT
-    except OSError as e:
-        raise ValueError(f"cannot read trace {path!r}: {e.strerror}") from None
-    raise ValueError(f"{path}: the trace holds no request")
-
-
 def read_workload(path: str, step_ms: float = 50.0, limit: Optional[int] = None) -> Workload:
-    """The trace at ``path`` (format detected), at most ``limit`` requests in file order.
-    Every line is validated now. Raises ValueError naming the file, line and field."""
+    """The trace at ``path``, at most ``limit`` requests in file order; the format (kvproof's or
+    Mooncake's) is that of its first non-blank line. The file is read once, front to back, and
+    every line validated now (``trace.trace_lines``: a pipe, a FIFO or a gzip stream reads as a
+    file does); each request keeps its line's text, parsed again when the replay asks for it.
+    Raises ValueError naming the file, line and field, also for a trace without requests."""
     check_step_ms(step_ms)
     _check_limit(limit)
-    fmt = detect_format(path)
-    if fmt == MOONCAKE_FORMAT:
-        return _mooncake_workload(path, step_ms, limit)
-    return _kvproof_workload(path, limit)
-
-
-def _mooncake_workload(path: str, step_ms: float, limit: Optional[int]) -> Workload:
-    try:
-        entries = [
-            Entry(step_of(r.timestamp_ms, step_ms), r.input_length, r.output_length, r)
-            for r in iter_mooncake(path, limit)
-        ]
-    except RecursionError:
-        raise ValueError(f"{path}: a line is nested too deeply to be a Mooncake record") from None
-    if not entries:
-        raise ValueError(f"{path}: the trace holds no request")
-    entries.sort(key=lambda e: e.arrival)
-
-    def build(e: Entry) -> TraceRequest:
-        req: MooncakeRequest = e.ref  # type: ignore[assignment]
-        return to_trace_request(req, e.arrival)
-
-    return Workload(f"{path} (Mooncake format, {len(entries):,} requests, {step_ms:g} ms per step)", entries, build)
-
-
-def _kvproof_workload(path: str, limit: Optional[int]) -> Workload:
     entries: list[Entry] = []
+    fmt = None
     seen: dict[str, int] = {}
     try:
-        with open(path, "rb") as f:
-            offset = 0
-            for lineno, raw in enumerate(f, start=1):
-                start, offset = offset, offset + len(raw)
-                if limit is not None and len(entries) >= limit:
-                    break
-                if not raw.strip():
-                    continue
-                req = _parse_raw(raw, lineno)
-                if req.id in seen:
-                    raise TraceError(f"line {lineno}: duplicate request id {req.id!r} (first on line {seen[req.id]})")
-                seen[req.id] = lineno
-                entries.append(Entry(req.arrival, len(req.prompt), len(req.output), (start, lineno)))
-    except OSError as e:
-        raise ValueError(f"cannot read trace {path!r}: {e.strerror}") from None
+        for lineno, raw in enumerate(trace_lines(path), start=1):
+            if limit is not None and len(entries) >= limit:
+                break
+            if not raw.strip():
+                continue
+            obj = decode_line(raw, lineno)
+            if fmt is None:
+                fmt = MOONCAKE_FORMAT if is_mooncake_record(obj) else KVPROOF_FORMAT
+            if fmt == MOONCAKE_FORMAT:
+                r = parse_mooncake_record(obj, lineno, len(entries))
+                entries.append(Entry(step_of(r.timestamp_ms, step_ms), r.input_length, r.output_length, r))
+                continue
+            req = request_from_object(obj, lineno)
+            if req.id in seen:
+                raise TraceError(f"line {lineno}: duplicate request id {show_value(req.id)} (first on line {seen[req.id]})")
+            seen[req.id] = lineno
+            entries.append(Entry(req.arrival, len(req.prompt), len(req.output), (raw, lineno)))
     except TraceError as e:
         raise ValueError(f"{path}: {e}") from None
     if not entries:
         raise ValueError(f"{path}: the trace holds no request")
     entries.sort(key=lambda e: e.arrival)
-
-    def build(e: Entry) -> TraceRequest:
-        offset, lineno = e.ref  # type: ignore[misc]
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return _parse_raw(f.readline(), lineno)
-
-    return Workload(f"{path} (kvproof format, {len(entries):,} requests)", entries, build)
+    if fmt == MOONCAKE_FORMAT:
+        return Workload(f"{path} (Mooncake format, {len(entries):,} requests, {step_ms:g} ms per step)", entries,
+                        _build_mooncake)
+    return Workload(f"{path} (kvproof format, {len(entries):,} requests)", entries, _build_kvproof)
 
 
-def _parse_raw(raw: bytes, lineno: int) -> TraceRequest:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise TraceError(f"line {lineno}: not UTF-8 text (byte {e.start})") from None
-    try:
-        return parse_line(text, lineno)
-    except RecursionError:
-        raise TraceError(f"line {lineno}: JSON nested too deeply") from None
+def _build_mooncake(e: Entry) -> TraceRequest:
+    req: MooncakeRequest = e.ref  # type: ignore[assignment]
+    return to_trace_request(req, e.arrival)
+
+
+def _build_kvproof(e: Entry) -> TraceRequest:
+    raw, lineno = e.ref  # type: ignore[misc]
+    return parse_line(raw, lineno)
 
 
 # --- the generator ---------------------------------------------------------------------------

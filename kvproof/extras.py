@@ -1,8 +1,9 @@
 """Optional extras: what a command needs beyond kvproof's own dependencies, and the one line that
 says how to install it.
 
-A command that needs an extra calls :func:`require` before any work; a missing extra is bad
-input to the ``kvproof`` command (exit 2, one line naming the extra and the exact install
+A command that needs an extra calls :func:`require` before any work; the :class:`MissingExtra` it
+raises is bad input to the ``kvproof`` command, handled in one place for every subcommand
+(``cli/guard.py``'s ``run_command``: exit 2, one line naming the extra and the exact install
 command), never a bug (exit 70). The names are pyproject.toml's ``[project.optional-dependencies]``.
 kvproof is installed from a checkout (it is not on a package index), so the commands run there.
 """
@@ -43,9 +44,9 @@ EXTRAS = {
 }
 
 
-class MissingExtra(ValueError):
-    """An optional extra a command needs does not import. A ValueError, so commands that turn
-    bad input into exit status 2 handle it as such."""
+class MissingExtra(Exception):
+    """An optional extra a command needs does not import. Not a ValueError: a command's own
+    bad-input handling does not see it, ``run_command`` reports it."""
 
 
 def message(name: str, needed_by: str) -> str:

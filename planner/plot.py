@@ -5,18 +5,18 @@ at all."""
 
 from __future__ import annotations
 
+import io
 import os
-import tempfile
 
+from kvproof import leftovers
 from kvproof.extras import require
 from kvproof.planner.memory import gib
 from kvproof.planner.run import ConfigReport
 
 
-
 def require_matplotlib() -> None:
-    """Raise ``kvproof.extras.MissingExtra`` (a ValueError: one line naming the ``plot`` extra
-    and its install command) when matplotlib does not import."""
+    """Raise ``kvproof.extras.MissingExtra`` (one line naming the ``plot`` extra and its install
+    command) when matplotlib does not import."""
     require("plot", "--plot")
 
 
@@ -96,15 +96,24 @@ def build_figure(reports: list[ConfigReport], sweep: list[ConfigReport], title: 
     return fig
 
 
+#: The temporary file beside the plot: ``.kvproof-plot-<owner>-XXXXXXXX.png`` (kvproof.leftovers).
+TEMP_PREFIX = ".kvproof-plot-"
+
+
 def save_plot(path: str, reports: list[ConfigReport], sweep: list[ConfigReport], title: str, vllm_reports: list[ConfigReport] = ()) -> None:
-    """Write the PNG atomically: into a temporary file beside ``path``, then renamed over it,
-    so a reader never sees a half-written plot and a failure leaves nothing behind."""
+    """Write the PNG atomically: rendered in memory, written into a temporary file beside
+    ``path``, then renamed over it, so a reader never sees a half-written plot and a failure
+    leaves nothing behind. A temporary file that a killed run left in that folder (it names its
+    owner) is removed first."""
     fig = build_figure(reports, sweep, title, vllm_reports)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)  # the slow part, before any file exists
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".kvproof-plot-", suffix=".png", dir=folder)
+    leftovers.remove_stale(folder, TEMP_PREFIX)
+    fd, tmp = leftovers.make_temp_file(TEMP_PREFIX, ".png", folder)
     try:
         with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=110)
+            f.write(png.getbuffer())
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give it a normal file's mode

@@ -19,10 +19,9 @@ from kvproof.planner.run import ConfigReport, RunOptions, _per_layout_group, con
 from kvproof.spec.layout import LayoutConfig
 
 
-
 def require_vllm() -> None:
-    """Raise ``kvproof.extras.MissingExtra`` (a ValueError naming the ``vllm`` extra and its
-    install command) unless vLLM's scheduler side imports on the CPU platform; vLLM's own
+    """Raise ``kvproof.extras.MissingExtra`` (naming the ``vllm`` extra and its install
+    command) unless vLLM's scheduler side imports on the CPU platform; vLLM's own
     logging is turned down to errors, so the plan's stderr carries only the plan's messages."""
     require("vllm", "--engine vllm")
 

@@ -54,6 +54,9 @@ def select(ids: Iterable[str] = ()) -> tuple[Obligation, ...]:
     if not ids:
         return everything
     for prefix in ids:
+        if not prefix:  # it would start every id: refused rather than run everything
+            raise ValueError(f"obligation id prefix {prefix!r} is empty; expected the start of an id, e.g. "
+                             f"{everything[0].id.split('-')[0]}")
         if not any(o.id.startswith(prefix) for o in everything):
             known = ", ".join(o.id for o in everything)
             raise ValueError(f"no obligation id starts with {prefix!r}; expected one of {known}")

@@ -16,10 +16,14 @@ change that the model does not mirror becomes a verdict ``error`` instead of a s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import signal
+import socket
+import threading
 import time
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import z3
 
@@ -127,6 +131,63 @@ def _fmt(lemma: Lemma, values: Mapping[str, int]) -> str:
     return f"{inputs}: {lemma.describe(dict(values))}"
 
 
+#: z3's reason for a check that a signal cancelled: its own SIGINT handler, or
+#: ``Context.interrupt`` (called by :class:`_SignalWatch` on any other signal).
+_INTERRUPTED = ("interrupted from keyboard", "interrupted")
+
+
+class _SignalWatch:
+    """Makes a z3 check stop on a signal. z3 runs in C, and Python runs its signal handlers only
+    between bytecodes, so a SIGTERM would wait for the check (up to ``STEP_SECONDS``). While a
+    check runs, Python's wakeup descriptor is a socket this thread reads: a signal with a
+    Python handler wakes it, it interrupts z3, and the handler runs once the check returns.
+    (SIGINT needs none of this: z3 cancels the check on its own.) Started once, on first use."""
+
+    _lock = threading.Lock()
+    _instance: "_SignalWatch | None" = None
+
+    def __init__(self) -> None:
+        self.reader, self.writer = socket.socketpair()
+        self.writer.setblocking(False)
+        self.active = False
+        threading.Thread(target=self._watch, name="kvproof-z3-signals", daemon=True).start()
+
+    def _watch(self) -> None:
+        while self.reader.recv(64):
+            with self._lock:
+                if self.active:
+                    z3.main_ctx().interrupt()
+
+    @classmethod
+    @contextlib.contextmanager
+    def during_check(cls) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            watch = cls._instance
+            watch.active = True
+        previous = signal.set_wakeup_fd(watch.writer.fileno(), warn_on_full_buffer=False)
+        try:
+            yield
+        finally:
+            signal.set_wakeup_fd(previous)
+            with cls._lock:
+                watch.active = False
+
+
+def _check(s: z3.Solver) -> z3.CheckSatResult:
+    """``s.check()``, stopped by Ctrl-C or SIGTERM: a check a signal cancelled raises
+    KeyboardInterrupt (or the signal's own handler raises first), never a verdict ``timeout``."""
+    with _SignalWatch.during_check():
+        result = s.check()
+    if result == z3.unknown and s.reason_unknown() in _INTERRUPTED:
+        raise KeyboardInterrupt(s.reason_unknown())
+    return result
+
+
 def _solver(timeout_ms: int) -> z3.Solver:
     s = z3.Solver()
     # Fixed seeds: the same z3 build gives the same models (and so the same minimal
@@ -148,13 +209,13 @@ def _minimal_counterexample(lemma: Lemma, v: Vars, s: z3.Solver) -> dict[str, in
         for _ in range(256):  # each round lowers `best`; small domains end in a few rounds
             s.push()
             s.add(var < best)
-            if s.check() != z3.sat:
+            if _check(s) != z3.sat:
                 s.pop()
                 break
             best = s.model().eval(var, model_completion=True).as_long()
             s.pop()
         s.add(var == best)
-        if s.check() != z3.sat:  # cannot happen (best came from a model); keep it honest
+        if _check(s) != z3.sat:  # cannot happen (best came from a model); keep it honest
             break
         fixed[name] = best
     return fixed
@@ -173,7 +234,7 @@ def check_lemma(lemma: Lemma, budget: float) -> Outcome:
         left = budget - (time.monotonic() - start)
         s = _solver(int(1000 * max(0.0, min(STEP_SECONDS, left))))
         s.add(base, *proved, z3.Not(step(v)))
-        result = s.check()
+        result = _check(s)
         reason = s.reason_unknown() if result == z3.unknown else ""
         if result == z3.unsat:
             proved.append(step(v))
@@ -183,7 +244,7 @@ def check_lemma(lemma: Lemma, budget: float) -> Outcome:
         # An intermediate step failed: look for a counterexample to the claim itself.
         s = _solver(int(1000 * max(0.0, min(STEP_SECONDS, budget - (time.monotonic() - start)))))
         s.add(base, z3.Not(lemma.steps[-1](v)))
-        if s.check() == z3.sat:
+        if _check(s) == z3.sat:
             return _refuted(lemma, v, s)
         if result == z3.unknown:
             return Outcome(TIMEOUT, detail=f"step {i + 1} of {len(lemma.steps)} timed out ({reason})")

@@ -14,11 +14,14 @@ checks), the action from ``KVPROOF_ON_VIOLATION`` (violations.py).
 
 from __future__ import annotations
 
-from typing import Optional
+import multiprocessing
+import os
+from typing import NoReturn, Optional
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from kvproof.integrations.vllm import stop_report
 from kvproof.integrations.vllm.kv_specs import layout_from_vllm
 from kvproof.integrations.vllm.manager_checks import ManagerChecker, attach
 from kvproof.integrations.vllm.violations import ViolationSink, contracts_mode, logger
@@ -41,11 +44,14 @@ def check_geometry(scheduler, layout: Layout, sink: ViolationSink) -> None:
         # The worker sizes its rows with exactly this call (gpu_model_runner.may_reinitialize_input_batch).
         rows = group.kv_cache_spec.max_num_blocks_per_req(vllm_config, max_len)
         if rows < gl.max_num_blocks_per_req:
+            longest = rows * gl.effective_block_size
             sink.report(
                 "INV-TABLE-WIDTH",
                 f"group {g} ({gl.group.label}): vLLM sizes the block-table row at {rows:,} entries; kvproof's geometry "
                 f"needs {gl.max_num_blocks_per_req:,} for max_model_len {max_len:,} at DCP {layout.dcp} -- a request "
-                f"longer than {rows * gl.effective_block_size:,} tokens would write past its row",
+                f"longer than {longest:,} tokens would write past its row",
+                fix=f"serve with --max-model-len {longest:,} or less, or use a vLLM that sizes each group's row by "
+                    "its own block size (a Mamba group's is not divided by DCP)",
             )
     if not scheduler.cache_config.enable_prefix_caching:
         return  # vLLM then hashes at S and never hits; H and the hit rule do not apply
@@ -75,14 +81,30 @@ def install_checks(scheduler, mode: Optional[str] = None, action: Optional[str] 
         return existing
     mode = contracts_mode(mode) or "cheap"
     if scheduler.vllm_config.kv_transfer_config is not None:
-        raise ValueError("kvproof's checks do not model KV connectors (kv_transfer_config is set)")
-    layout = layout_from_vllm(scheduler.kv_cache_config, scheduler.vllm_config)
+        _refuse("kvproof's checks do not model KV connectors (--kv-transfer-config is set): unset KVPROOF_CONTRACTS "
+                "to serve with the connector unchecked, or stage without --kv-transfer-config to check the rest")
+    try:
+        layout = layout_from_vllm(scheduler.kv_cache_config, scheduler.vllm_config)
+    except ValueError as e:
+        _refuse(f"kvproof's checks cannot model this engine's KV cache ({e}): unset KVPROOF_CONTRACTS to serve it "
+                "unchecked")
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ and multiprocessing.parent_process() is not None:
+        logger.warning("kvproof: PROMETHEUS_MULTIPROC_DIR is not set, so kvproof's counters in this engine-core "
+                       "process (kvproof_checked_steps_total, kvproof_violations_total) never reach /metrics; "
+                       "violations are logged either way. Set it to an empty directory to count them in /metrics.")
     sink = ViolationSink(action)
     check_geometry(scheduler, layout, sink)
     checker = attach(scheduler.kv_cache_manager, layout, sink, slow=mode == "slow", scheduler=scheduler)
     logger.info("kvproof checks on (%s tier, on violation: %s) for %s", mode, sink.action,
                 ", ".join(g.group.label for g in layout.groups))
     return checker
+
+
+def _refuse(message: str) -> NoReturn:
+    """Stop the engine at start: ``message`` (what and what to do) raised and recorded for the
+    last line of vLLM's output (``stop_report``)."""
+    stop_report.record(message)
+    raise ValueError(message)
 
 
 class CheckedScheduler(Scheduler):

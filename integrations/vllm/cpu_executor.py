@@ -25,6 +25,8 @@ Sampling is deterministic: the next token is a fixed function of the sequence so
 
 from __future__ import annotations
 
+import os
+import re
 from concurrent.futures import Future
 from typing import Callable, Optional
 
@@ -37,14 +39,43 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.block_table import MultiGroupBlockTable, SlotMappingMode
 from vllm.v1.worker.worker_base import CompilationTimes
 
+from kvproof.cli.limits import available_memory
+from kvproof.integrations.vllm import stop_report
 from kvproof.integrations.vllm.kv_specs import layout_from_vllm
-from kvproof.integrations.vllm.violations import ViolationSink
+from kvproof.integrations.vllm.violations import ViolationSink, logger
 from kvproof.integrations.vllm.worker_checks import check_copy_batch
 from kvproof.integrations.vllm.worker_model import WorkerModel
 
-#: What the stand-in workers report as free memory: the pool size comes from
-#: ``--num-gpu-blocks-override`` (required), so this only has to be large enough.
-_AVAILABLE_BYTES = 1 << 40
+#: The GPU memory one rank stages unless KVPROOF_STAGING_GPU_MEMORY says otherwise: an 80 GB
+#: H100's (80 GiB; vLLM gives the KV cache ``gpu_memory_utilization`` of it).
+DEFAULT_GPU = ("an 80 GB H100", 80 << 30)
+GPU_MEMORY_ENV = "KVPROOF_STAGING_GPU_MEMORY"
+#: What the workers report with --num-gpu-blocks-override (the override sizes the pool; this only
+#: has to pass vLLM's check that one request of max_model_len fits).
+_AVAILABLE_WITH_OVERRIDE = 1 << 40
+#: Host memory one staged block may take: vLLM's KVCacheBlock and its free-queue links (136
+#: bytes, measured: docs/vllm.md) and kvproof's records of the checks and of the content model,
+#: which grow as blocks are written (per block and rank). A budget, rounded up.
+HOST_BYTES_PER_BLOCK = 1024
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)")
+
+
+def staged_gpu_memory(value: Optional[str] = None) -> tuple[int, str]:
+    """(bytes, what they are) of one rank's staged GPU memory: ``value`` (default
+    ``KVPROOF_STAGING_GPU_MEMORY``) as a size -- ``80GiB``, ``141GB``, ``96000000000`` (bytes)
+    -- or :data:`DEFAULT_GPU` when unset. ValueError naming the value otherwise."""
+    raw = os.environ.get(GPU_MEMORY_ENV, "") if value is None else value
+    if not raw.strip():
+        return DEFAULT_GPU[1], f"{DEFAULT_GPU[1] / 2**30:g} GiB ({DEFAULT_GPU[0]}'s; {GPU_MEMORY_ENV} sets another)"
+    match = _SIZE.fullmatch(raw.strip())
+    unit = match[2].lower() if match else None
+    if unit not in _UNITS or not 0 < float(match[1]) * _UNITS[unit] < 1 << 50:
+        raise ValueError(f"{GPU_MEMORY_ENV}={raw!r}; expected a GPU's memory such as 80GiB, 141GB or a number of bytes "
+                         "(at most 1 PiB)")
+    size = int(float(match[1]) * _UNITS[unit])
+    return size, f"{size / 2**30:.4g} GiB ({GPU_MEMORY_ENV})"
 
 
 def next_token(token_ids: list[int], vocab_size: int, eos_token_id: Optional[int]) -> int:
@@ -113,7 +144,7 @@ class _Rank:
         pass
 
     def determine_available_memory(self) -> int:
-        return _AVAILABLE_BYTES
+        return self.executor.kv_cache_bytes
 
     def initialize_from_config(self, kv_cache_configs) -> None:
         """Size this rank's tables as vLLM's model runner does (``max_num_blocks_per_req`` of each
@@ -136,6 +167,7 @@ class _Rank:
         )
         self.free_rows = list(range(max_reqs - 1, -1, -1))
         if self.rank == 0:
+            self.executor.check_host_memory(config.num_blocks)
             self.executor.start_content_model(config)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
@@ -211,6 +243,43 @@ class CpuStagingExecutor(Executor):
         self.vocab_size = self.model_config.get_vocab_size()
         self.eos_token_id = getattr(self.model_config.hf_text_config, "eos_token_id", None)
         self.step = 0
+        self.kv_cache_bytes = self._kv_cache_bytes()
+
+    def _kv_cache_bytes(self) -> int:
+        """What each rank reports as free for the KV cache: vLLM's own --kv-cache-memory-bytes,
+        else (with --num-gpu-blocks-override sizing the pool) ample, else the staged GPU
+        memory times gpu_memory_utilization. No weights are loaded, so nothing is subtracted."""
+        cache = self.cache_config
+        if cache.kv_cache_memory_bytes:
+            return cache.kv_cache_memory_bytes
+        if cache.num_gpu_blocks_override is not None:
+            return _AVAILABLE_WITH_OVERRIDE
+        try:
+            gpu, what = staged_gpu_memory()
+        except ValueError as e:
+            stop_report.record(str(e))
+            raise
+        kv = int(gpu * cache.gpu_memory_utilization)
+        logger.info("kvproof: the CPU staging executor stages %s of GPU memory per rank; gpu_memory_utilization %g "
+                    "gives the KV cache %.4g GiB, weights not subtracted (none are loaded; for a GPU run's exact pool "
+                    "pass --num-gpu-blocks-override with the block count it logs)", what, cache.gpu_memory_utilization,
+                    kv / 2**30)
+        return kv
+
+    def check_host_memory(self, num_blocks: int) -> None:
+        """Refuse at start (one line, in the stop report) a pool whose bookkeeping this
+        machine's memory cannot hold, before vLLM builds it."""
+        need, have = num_blocks * HOST_BYTES_PER_BLOCK, available_memory()
+        if have is None or need <= have:
+            return
+        message = (
+            f"the CPU staging executor would stage {num_blocks:,} blocks per rank, about {need / 1e9:,.1f} GB of host "
+            f"memory for vLLM's block pool and kvproof's checks ({HOST_BYTES_PER_BLOCK} bytes per block), but this "
+            f"machine has {have / 1e9:.1f} GB available; pass --num-gpu-blocks-override {have // HOST_BYTES_PER_BLOCK:,} "
+            f"or less, or a smaller {GPU_MEMORY_ENV} (or --kv-cache-memory-bytes)"
+        )
+        stop_report.record(message)
+        raise ValueError(message)
 
     # --- RPCs -------------------------------------------------------------------------------
 

@@ -85,6 +85,7 @@ class ManagerChecker:
         self._copies: list[tuple[int, int, int]] = []  # this step: (src, dst, tokens the dst may keep)
         self._copy_src: dict[int, int] = {}  # dst -> src, this step
         self._copy_srcs: set[int] = set()
+        self._holder: dict[int, str] = {}  # block id -> the request whose row took it last (names a leak)
         self._unchecked_copies = 0
         self._scheduling = False
         self._request: Optional[str] = None
@@ -204,6 +205,9 @@ class ManagerChecker:
             row = m.req_to_blocks.get(rid)
             if not row:
                 continue
+            for b in row[before[g][1]:]:  # the entries this call added
+                if not b.is_null:
+                    self._holder[b.block_id] = rid
             if len(row) > width:
                 self.sink.report(
                     "INV-TABLE-WIDTH",
@@ -363,8 +367,10 @@ class ManagerChecker:
         leaked = [b.block_id for b in pool.blocks
                   if not b.is_null and b.ref_cnt > 0 and b.block_id not in holders and b.block_id not in kept]
         if leaked:
+            holders = [f"block {b} by request {self._holder[b]!r}" for b in leaked[:8] if b in self._holder]
+            last = f"; last held: {', '.join(holders)}" if holders else ""
             self.sink.report("INV-FREE-RELEASES",
-                             f"{self._where()}: blocks {leaked[:8]} are referenced but held by no request (leaked)")
+                             f"{self._where()}: blocks {leaked[:8]} are referenced but held by no request (leaked{last})")
 
 
 def _bind(check, original):

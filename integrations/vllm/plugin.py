@@ -18,14 +18,21 @@ installing kvproof changes nothing in production. When it is set, ``register()``
 Any failure to install (a bad switch value, an untested version, a missing vLLM hook) raises
 from ``register()``, which vLLM propagates: asking for checks that cannot be had stops the
 engine at start. Calling ``register()`` again in the same process does nothing.
+
+In the first process that loads it (``vllm serve``'s API server), ``register()`` also starts the
+stop report (``stop_report``: why kvproof stopped vLLM, as the last line of its output, and a
+non-zero exit status), and removes from ``PROMETHEUS_MULTIPROC_DIR`` the metric files of
+processes no longer running, so that ``/metrics`` starts from zero instead of showing the
+previous run's counts.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
-from kvproof.integrations.vllm import TESTED_VLLM_VERSIONS
-from kvproof.integrations.vllm.violations import contracts_mode, violation_action
+from kvproof.integrations.vllm import TESTED_VLLM_VERSIONS, stop_report
+from kvproof.integrations.vllm.violations import contracts_mode, logger, violation_action
 
 _installed = False
 
@@ -46,9 +53,45 @@ def register() -> None:
             f"were tested against ({', '.join(TESTED_VLLM_VERSIONS)}); they read vLLM's internals. Install a "
             "tested vLLM or unset KVPROOF_CONTRACTS."
         )
+    if stop_report.begin():
+        _forget_dead_processes_metrics()
     _install_scheduler_side()
     _install_worker_side()
     _installed = True
+
+
+def _forget_dead_processes_metrics() -> None:
+    """Remove from ``PROMETHEUS_MULTIPROC_DIR`` the files of processes that no longer run
+    (``<kind>_<pid>.db``, prometheus_client's names): a previous run's counts, which
+    prometheus_client adds to this run's (it asks for the directory to be emptied between runs)."""
+    folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not folder or not os.path.isdir(folder):
+        return
+    removed = 0
+    for name in os.listdir(folder):
+        pid = name[:-3].rpartition("_")[2] if name.endswith(".db") else ""
+        if not (pid.isascii() and pid.isdigit()) or _running(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join(folder, name))
+            removed += 1
+        except OSError:
+            pass
+    if removed:
+        logger.warning("kvproof: removed %d metric file(s) of processes no longer running from "
+                       "PROMETHEUS_MULTIPROC_DIR=%s (a previous run's counts); /metrics starts from zero", removed, folder)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OverflowError:  # no process has such a number
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _install_scheduler_side() -> None:
@@ -60,7 +103,7 @@ def _install_scheduler_side() -> None:
 
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        install_checks(self)
+        install_checks(self)  # a refusal there is in the stop report already
 
     __init__.__wrapped__ = original
     Scheduler.__init__ = __init__

@@ -4,6 +4,7 @@ it -- Ctrl-C, SIGTERM, a closed stdout, a bug."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -131,3 +132,105 @@ def test_out_of_memory_is_bad_input(capsys, monkeypatch):
 
     monkeypatch.setattr(geometry, "run", huge)
     assert _run(capsys, ["geometry"]) == (2, "", "kvproof geometry: error: out of memory: the input is too large for this machine\n")
+
+
+# --- output that cannot be written --------------------------------------------------------------
+
+_SMALL_TRACE = '{"id": "a", "prompt": [1, 2, 3]}\n'
+
+
+def _kvproof(argv, stdout, tmp_path, **popen):
+    """A real ``kvproof`` process; ``stdout`` is "closed" (``>&-``) or a path."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(_SMALL_TRACE)
+    argv = [str(trace) if a == "TRACE" else a for a in argv]
+    command = " ".join(map(shlex.quote, [sys.executable, "-m", "kvproof", *argv]))
+    redirect = ">&-" if stdout == "closed" else f"> {shlex.quote(stdout)}"
+    return subprocess.run(["bash", "-c", f"{command} {redirect}"], capture_output=True, text=True, timeout=300, **popen)
+
+
+_EVERY_COMMAND = [
+    ["geometry"], ["geometry", "--json"], ["replay", "TRACE"], ["--help"], ["--version"], ["replay", "--help"],
+    ["plan", "--trace", "TRACE", "--group", "full_attention:16", "--num-blocks", "64", "--dcp", "1", "--no-progress"],
+    ["prove", "--only", "LEM-CDIV"],
+    ["e2e", "TRACE", "--group", "full_attention:4", "--group", "mamba:8", "--max-model-len", "64"],
+]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("stdout", ["closed", "/dev/full"])
+@pytest.mark.parametrize("argv", _EVERY_COMMAND, ids=lambda a: " ".join(a[:2]))
+def test_output_that_cannot_be_written_is_one_line_and_status_74(tmp_path, argv, stdout):
+    done = _kvproof(argv, stdout, tmp_path)
+    prog = "kvproof" if argv[0].startswith("-") else f"kvproof {argv[0]}"
+    reason = "stdout is closed" if stdout == "closed" else "No space left on device"
+    # prove's progress lines come first (stderr); the output error is the last line.
+    assert done.returncode == 74 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1] == f"{prog}: error: cannot write the output: {reason}", done.stderr
+
+
+@pytest.mark.parametrize("stdout", ["closed", "/dev/full"])
+@pytest.mark.parametrize("argv, line", [
+    (["replay", "/nonexistent.jsonl"], "kvproof replay: error: cannot read trace '/nonexistent.jsonl'"),
+    (["geometry", "--nope"], "kvproof geometry: error: unrecognized arguments: --nope"),
+    (["replay", "TRACE", "--dcp", "1_6"], "kvproof replay: error: argument --dcp: '1_6' is not a decimal integer"),
+])
+def test_bad_input_keeps_status_2_whatever_stdout_is(tmp_path, argv, line, stdout):
+    done = _kvproof(argv, stdout, tmp_path)
+    assert done.returncode == 2 and done.stderr.startswith(line) and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_a_malformed_trace_with_stdout_closed_is_still_bad_input(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a"}\n')
+    done = _kvproof(["replay", str(bad)], "closed", tmp_path)
+    assert (done.returncode, done.stderr) == (2, f"kvproof replay: error: {bad}: line 1 (request 'a'): missing 'prompt'\n")
+
+
+def test_a_property_failure_keeps_status_1_and_adds_the_output_line(monkeypatch, capsys):
+    class Full:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(geometry, "run", _writes_then_fails(3))
+    monkeypatch.setattr(sys, "stdout", Full())
+    assert main(["geometry"]) == 1
+    assert capsys.readouterr().err == "kvproof geometry: error: cannot write the output: No space left on device\n"
+
+
+def test_nothing_written_to_a_closed_stdout_is_no_error(monkeypatch, capsys):
+    monkeypatch.setattr(geometry, "run", lambda args: 0)
+    monkeypatch.setattr(sys, "stdout", None)  # what Python sets when descriptor 1 is closed at start
+    assert main(["geometry"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_a_closed_stderr_stays_silent_and_never_falls_back_to_stdout(tmp_path):
+    done = subprocess.run(["bash", "-c", f"{sys.executable} -m kvproof replay /nonexistent.jsonl 2>&-"],
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (2, "")
+
+
+def test_a_closed_stdout_is_not_taken_by_the_next_file_opened(tmp_path):
+    """With descriptor 1 closed, the trace file would open as descriptor 1, and anything a child
+    process printed would land in it: /dev/null takes the slot first."""
+    script = textwrap.dedent("""
+        import os, sys
+        from kvproof.cli import geometry
+        from kvproof.cli.main import main
+        def run(args):
+            fd = os.open(sys.argv[1], os.O_RDONLY)
+            os.write(2, f"fd {fd} {os.path.realpath(f'/proc/self/fd/1')}\\n".encode())
+            return 0
+        geometry.run = run
+        sys.exit(main(["geometry"]))
+    """)
+    path = tmp_path / "f"
+    path.write_text("x")
+    done = subprocess.run(["bash", "-c", f"{sys.executable} -c {shlex.quote(script)} {path} >&-"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.split()[1] != "1" and done.stderr.split()[2] == "/dev/null", done.stderr

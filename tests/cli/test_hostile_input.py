@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvproof.cli import limits
-from kvproof.cli.main import main
+from kvproof.cli.main import build_parser, main
 
 SMALL = ["--group", "full_attention:16", "--group", "mamba:16"]
 
@@ -64,6 +64,58 @@ def assert_bad_input(capsys, argv, needle):
 )
 def test_numbers_are_decimal_and_capped(capsys, argv, needle):
     assert_bad_input(capsys, ["geometry", *argv], needle)
+
+
+def _numeric_flags():
+    """(command, flag, kind) of every flag of every command whose argparse type is one of
+    cli/values.py's parsers, found from the parsers themselves (a new flag is covered too)."""
+    parser = build_parser()
+    found = []
+    for command, sub in parser.get_default("command_parsers").items():
+        for action in sub._actions:
+            kind = getattr(action.type, "__name__", None)
+            if kind in ("decimal integer", "decimal number"):
+                found.append((command, action.option_strings[-1], kind))
+    return found
+
+
+#: Forms int() or float() take that mean something else than the digits typed (or nothing).
+_NOT_DECIMAL = ["\u0661\u0666", "\uff11\uff16", "1_6", "+16", " 16", "16 ", "0x10", "", "1e3"]
+_NOT_A_NUMBER = ["\u0661\u0666", "\uff11\uff16", "1_6", "+16", " 16", "1e3", "inf", "nan", "0x10", ""]
+
+
+def test_every_numeric_flag_of_every_command_goes_through_one_parser():
+    """No command parses a number with int() or float() (plan's flags once did)."""
+    for command, sub in build_parser().get_default("command_parsers").items():
+        for action in sub._actions:
+            assert action.type not in (int, float), (command, action.option_strings)
+    commands = {c for c, _, _ in _numeric_flags()}
+    assert {"geometry", "replay", "e2e", "plan", "prove"} <= commands
+
+
+@pytest.mark.parametrize("command, flag, kind", _numeric_flags())
+def test_numeric_flags_refuse_what_is_not_plain_decimal(capsys, trace, command, flag, kind):
+    positional = [trace] if command in ("replay", "e2e") else []
+    for text in _NOT_DECIMAL if kind == "decimal integer" else _NOT_A_NUMBER:
+        err = assert_bad_input(capsys, [command, *positional, flag, text], f"argument {flag}: {text!r} is not a decimal")
+        assert err.startswith(f"kvproof {command}: error: "), err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--dcp", "1,\u0662"], "DCP size '\u0662' is not a decimal integer"),
+    (["--dcp", "1,+2"], "DCP size '+2' is not a decimal integer"),
+    (["--layers", "1_2,36"], "layer count '1_2' is not a decimal integer"),
+    (["--layers", ""], "layer count '' is not a decimal integer"),
+    (["--memory-sweep", "1e3"], "memory size '1e3' in --memory-sweep must be a positive decimal number"),
+    (["--generate", "--system-prompt-len", "1_0-20"], "system prompt length '1_0-20' must be LO-HI"),
+    (["--max-num-batched-tokens", str(10**30)], "argument --max-num-batched-tokens: 100000000000... (31 digits) is too large"),
+    (["--max-num-batched-tokens", str(2**31)], "argument --max-num-batched-tokens: 2147483648 is too large; expected at "
+                                               "most 1,073,741,824"),
+    (["--num-blocks", str(2**31)], "argument --num-blocks: 2147483648 is too large; expected at most 2,147,483,647"),
+    (["--jobs", "5000"], "argument --jobs: 5000 is too large; expected at most 1,024"),
+])
+def test_plans_lists_ranges_and_caps(capsys, argv, needle):
+    assert_bad_input(capsys, ["plan", "--no-progress", *argv], needle)
 
 
 def test_the_largest_block_is_accepted(capsys):
@@ -184,3 +236,31 @@ def test_an_id_that_would_break_lines_stays_on_one_line(capsys, tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({"id": "a\nb", "prompt": [1]}) + "\n" + json.dumps({"id": "a\nb", "prompt": [2]}) + "\n")
     assert_bad_input(capsys, ["replay", str(path), *SMALL], "duplicate request id 'a\\nb'")
+
+
+# --- smaller edges -------------------------------------------------------------------------------
+
+
+def test_ids_a_terminal_would_act_on_are_escaped_in_tables(capsys, tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"id": "a\x1b[2Jb\nc", "prompt": [1]}) + "\n" + json.dumps({"id": "ok", "prompt": [2]}) + "\n")
+    code, out, _ = run(capsys, ["replay", str(path), *SMALL])
+    assert code == 0 and "\x1b" not in out
+    rows = out.splitlines()
+    assert rows[1].startswith("'a\\x1b[2Jb\\nc'") and rows[2].startswith("ok ")
+
+
+@pytest.mark.parametrize("command", ["replay", "e2e", "plan"])
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_an_empty_trace_is_bad_input_for_every_command(capsys, tmp_path, command, content):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(content)
+    argv = [command, "--trace", str(path), "--no-progress"] if command == "plan" else [command, str(path), *SMALL]
+    assert_bad_input(capsys, argv, f"kvproof {command}: error: {path}: the trace holds no request")
+
+
+@pytest.mark.parametrize("argv", [["geometry", "--nope"], ["replay", "x.jsonl", "extra"], ["--json", "geometry"],
+                                  ["prove", "-x"]])
+def test_unknown_arguments_are_refused_by_the_commands_own_parser(capsys, argv):
+    command = next(a for a in argv if not a.startswith("-"))
+    assert_bad_input(capsys, argv, f"kvproof {command}: error: unrecognized arguments: ")

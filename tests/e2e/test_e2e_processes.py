@@ -6,13 +6,17 @@ from __future__ import annotations
 import collections
 import json
 import os
+import pathlib
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
+from kvproof import leftovers
 from kvproof.e2e.dcp import RankError
 from kvproof.e2e.faults import Faults
 from kvproof.e2e.runner import E2EOptions, run_e2e
@@ -113,6 +117,44 @@ def test_a_killed_e2e_leaves_no_rank_and_no_file(tmp_path, long_trace, how):
                 "Ctrl-C": (130, b"kvproof e2e: interrupted\n")}[how]
     assert (p.returncode, err) == expected
     assert out == b""
+
+
+def test_what_a_process_group_sigkill_leaves_the_next_run_removes(tmp_path, long_trace):
+    """SIGKILL to the whole process group (``kill -9 -PGID``): the caller and its fork server die
+    with no cleanup, so the fork server's socket directory stays behind; it names its dead
+    owner, and the next e2e run removes it before it starts its own. (A short TMPDIR: under a
+    long one, such as pytest's under xdist, the directory goes to /tmp, shared with others.)"""
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="kvp-", dir="/tmp"))
+    try:
+        _sigkill_then_rerun(tmp, tmp_path, long_trace)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sigkill_then_rerun(tmp, tmp_path, long_trace) -> None:
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "kvproof", "e2e", long_trace, *HYBRID, "--max-model-len", "32768",
+         "--num-blocks", "2048", "--dcp", "4"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        assert _wait_until(lambda: sum(d == 2 for d, _ in _descendants(p.pid).values()) == 4, 180), "ranks never started"
+        family = _descendants(p.pid)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=10)
+        assert _wait_until(lambda: not _alive(family), 5.0), _alive(family)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    left = os.listdir(tmp)
+    assert len(left) == 1 and left[0].startswith(f"kvproof-{leftovers.owner_tag(p.pid).partition('.')[0]}."), left
+    trace = tmp_path / "hybrid.jsonl"
+    trace.write_text(dump_trace(hybrid_workload()))
+    done = subprocess.run([sys.executable, "-m", "kvproof", "e2e", str(trace), *HYBRID, "--max-model-len", "128",
+                           "--dcp", "2"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert _wait_until(lambda: not os.listdir(tmp), 5.0), os.listdir(tmp)
 
 
 def test_a_rank_that_dies_is_named_not_its_peers_connection_reset():

@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from kvproof import leftovers  # noqa: E402
 from kvproof.e2e import dcp  # noqa: E402
 
 
@@ -18,20 +19,14 @@ def test_a_long_temporary_directory_moves_the_socket_under_tmp(tmp_path, monkeyp
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     deep.mkdir(parents=True)
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
-    made = []
-    monkeypatch.setattr(dcp.multiprocessing.util, "get_temp_dir", lambda: made.append(tempfile.gettempdir()) or "x")
-    dcp._socket_temp_dir()
-    assert made == ["/tmp"] and tempfile.tempdir == str(deep)  # restored
+    assert dcp._socket_dir_base() == "/tmp" and tempfile.tempdir == str(deep)
 
 
 def test_a_short_temporary_directory_is_used_as_it_is(monkeypatch):
     short = tempfile.mkdtemp(prefix="k", dir="/tmp")
     try:
         monkeypatch.setattr(tempfile, "tempdir", short)
-        made = []
-        monkeypatch.setattr(dcp.multiprocessing.util, "get_temp_dir", lambda: made.append(tempfile.gettempdir()) or "x")
-        dcp._socket_temp_dir()
-        assert made == [short]
+        assert dcp._socket_dir_base() == short
     finally:
         os.rmdir(short)
 
@@ -42,7 +37,14 @@ def test_without_a_writable_tmp_the_error_names_the_directory(tmp_path, monkeypa
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     with pytest.raises(ValueError, match=r"is too long for the rank processes' Unix socket .* set TMPDIR to a shorter"):
-        dcp._socket_temp_dir()
+        dcp._socket_dir_base()
+
+
+def test_the_socket_directory_names_its_owner_and_fits_a_socket_path():
+    path = dcp._socket_temp_dir()
+    name = os.path.basename(path)
+    assert name.startswith(dcp.SOCKET_DIR_PREFIX + leftovers.owner_tag())
+    assert len(os.fsencode(path)) + dcp._SOCKET_SUFFIX <= dcp._SOCKET_PATH_MAX
 
 
 def test_ranks_start_with_ctrl_c_ignored():

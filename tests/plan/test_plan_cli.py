@@ -162,7 +162,9 @@ def test_parallel_jobs_give_the_same_numbers(plan_json, mooncake_trace):
 
 @pytest.mark.parametrize("argv, message", [
     (["--trace", "/nonexistent/t.jsonl"], "cannot read trace '/nonexistent/t.jsonl'"),
-    (["--dcp", "1,x"], "DCP size 'x' in '1,x' must be an integer"),
+    (["--dcp", "1,x"], "DCP size 'x' is not a decimal integer; expected digits 0-9 only \\(in '1,x'\\)"),
+    (["--dcp", "1, 2"], "DCP size ' 2' is not a decimal integer"),
+    (["--dcp", "1,4096"], "DCP size '4096' in '1,4096' must be an integer in \\[1, 1024\\]"),
     (["--dcp", "3", "--group", "full_attention:16", "--group", "mamba:16", "--interleave", "5", "--num-blocks", "100"],
      "interleave 5 does not divide block size 16"),
     (["--group", "full_attention:16", "--group", "mamba:16"], "this layout has no memory figures"),
@@ -170,7 +172,8 @@ def test_parallel_jobs_give_the_same_numbers(plan_json, mooncake_trace):
     (["--num-blocks", "100", "--kv-memory-gib", "4"], "exclude each other"),
     (["--layers", "12"], "1 layer count\\(s\\) for 2 cache group\\(s\\)"),
     (["--kv-memory-gib", "0.001"], "DCP 1: 0.001 GiB per GPU make a pool of 0 block\\(s\\) \\(3.38 MiB per block\\)"),
-    (["--kv-memory-gib", "nan"], "KV memory nan GiB must be a positive finite number"),
+    (["--kv-memory-gib", "nan"], "argument --kv-memory-gib: 'nan' is not a decimal number"),
+    (["--kv-memory-gib", "-1"], "KV memory -1.0 GiB must be a positive finite number"),
     (["--num-blocks", "100", "--memory-sweep"], "--memory-sweep sizes pools from KV memory"),
     (["--kv-memory-gib", "0.02", "--limit", "50"], "holds a request of at most"),
     (["--generate", "--trace", "x.jsonl"], "--generate and --trace exclude each other"),

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
+import sys
 
 import pytest
 
 pytest.importorskip("matplotlib")
 
+from kvproof import leftovers  # noqa: E402
 from kvproof.cli.main import main  # noqa: E402
 from kvproof.extras import message  # noqa: E402
-from kvproof.planner.plot import build_figure  # noqa: E402
+from kvproof.planner.plot import TEMP_PREFIX, build_figure, save_plot  # noqa: E402
 from kvproof.planner.run import ConfigReport  # noqa: E402
 
 
@@ -108,3 +111,31 @@ def test_sweep_draws_one_line_per_dcp_and_eviction_policy():
     assert series(hit)["hit rate (compute eviction)"] == [21.0, 16.0]
     assert series(capacity) == {"DCP 1, lru": [10.0, 20.0], "DCP 1, compute": [11.0, 21.0],
                                 "DCP 2, lru": [12.0, 15.0], "DCP 2, compute": [13.0, 16.0]}
+
+
+def test_the_slow_render_runs_before_any_file_exists(tmp_path, monkeypatch):
+    """A SIGKILL while the PNG is rendered (the seconds a plot takes) leaves nothing: the file
+    appears only to be written from memory and renamed."""
+    from matplotlib.figure import Figure
+
+    seen, savefig = [], Figure.savefig
+
+    def watched(self, f, **kw):
+        seen.append(sorted(os.listdir(tmp_path)))
+        return savefig(self, f, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", watched)
+    save_plot(str(tmp_path / "plan.png"), [report(1, 0.2), report(2, 0.1)], [], "t")
+    assert seen == [[]] and os.listdir(tmp_path) == ["plan.png"]
+
+
+def test_a_temporary_file_a_killed_run_left_is_removed_by_the_next(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "from kvproof.leftovers import owner_tag; print(owner_tag())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    left = tmp_path / f"{TEMP_PREFIX}{dead}-abcd1234.png"
+    busy = tmp_path / f"{TEMP_PREFIX}{leftovers.owner_tag()}-efgh5678.png"  # a live run's, mid-write
+    other = tmp_path / f"{TEMP_PREFIX}not-a-tag.png"
+    for path in (left, busy, other):
+        path.write_bytes(b"\x89PNG half")
+    save_plot(str(tmp_path / "plan.png"), [report(1, 0.2)], [], "t")
+    assert sorted(os.listdir(tmp_path)) == sorted([busy.name, other.name, "plan.png"])

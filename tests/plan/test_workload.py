@@ -1,15 +1,19 @@
-"""Workloads: format detection per file, lazy building equal to the eager readers, the step-time
-model, the generator, and malformed input named by file, line and field."""
+"""Workloads: format detection per file, lazy building equal to the eager readers, one pass over
+any readable stream (pipes, FIFOs, gzip), the step-time model, the generator, and malformed input
+named by file, line and field."""
 
 from __future__ import annotations
 
+import gzip
 import json
+import os
+import threading
 
 import pytest
 
 from kvproof.impl.mooncake import iter_mooncake, to_trace_request
 from kvproof.impl.trace import read_trace
-from kvproof.impl.workload import GeneratorSpec, detect_format, generate, read_workload
+from kvproof.impl.workload import GeneratorSpec, generate, read_workload
 
 
 def write(tmp_path, name, lines):
@@ -40,7 +44,40 @@ def kv(tmp_path):
 
 
 def test_format_is_detected_per_file(mc, kv):
-    assert detect_format(mc) == "mooncake" and detect_format(kv) == "kvproof"
+    assert "(Mooncake format, 4 requests" in read_workload(mc).description
+    assert "(kvproof format, 3 requests)" in read_workload(kv).description
+
+
+@pytest.mark.parametrize("fmt", ["mc", "kv"])
+def test_a_fifo_and_a_gzip_stream_read_once_as_the_file(request, tmp_path, fmt):
+    """Read once, front to back: a FIFO (no seek, no second pass) and a gzip stream through a
+    FIFO give the requests of the plain file; the file's later fate does not matter."""
+    path = request.getfixturevalue(fmt)
+    expected = list(read_workload(path).requests())
+    with open(path, "rb") as f:
+        data = f.read()
+    for name, payload in (("plain", data), ("gz", gzip.compress(data))):
+        fifo = str(tmp_path / f"{fmt}-{name}.fifo")
+        os.mkfifo(fifo)
+        writer = threading.Thread(target=lambda: open(fifo, "wb").write(payload))  # noqa: SIM115 (closed on exit)
+        writer.start()
+        w = read_workload(fifo)
+        writer.join()
+        assert list(w.requests()) == expected, name
+    gz = tmp_path / f"{fmt}.jsonl.gz"
+    gz.write_bytes(gzip.compress(data))
+    w = read_workload(str(gz))
+    gz.write_bytes(b"")  # truncated after reading: the replay builds from what was read
+    assert list(w.requests()) == expected
+
+
+def test_a_damaged_gzip_stream_names_the_file(tmp_path, kv):
+    with open(kv, "rb") as f:
+        packed = gzip.compress(f.read() * 50)
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(packed[: len(packed) // 2])
+    with pytest.raises(ValueError, match=r"cut\.jsonl\.gz: the gzip stream is damaged or cut short"):
+        read_workload(str(cut))
 
 
 def test_kvproof_trace_builds_the_parsed_requests_in_arrival_order(kv):
@@ -107,6 +144,14 @@ def test_generator_names_a_bad_parameter(field, value, message):
     ([{"id": "a", "prompt": [1]}, {"id": "a", "prompt": [2]}], "line 2: duplicate request id 'a'"),
     ([{"id": "a", "prompt": [1]}, {"id": "b", "prompt": []}], "line 2 .*'prompt' must hold at least one token"),
     (["", ""], "holds no request"),
+    ([mooncake(0, 600, 3, [1, 2]), '{"timestamp": 1' + "0" * 400 + ', "input_length": 3, "output_length": 1, "hash_ids": [1]}'],
+     r"line 2: 'timestamp' 1000000000000000000000000000000000000\.\.\. is too large; expected at most "
+     r"9,223,372,036,854,775,807"),
+    (['{"timestamp": 0, "timestamp": 5, "input_length": 3, "output_length": 1, "hash_ids": [1]}'],
+     "line 1: field 'timestamp' appears twice in one object"),
+    (['{"id": "a", "prompt": [' + "7" * 5000 + "]}"], "line 1: an integer of thousands of digits"),
+    (['{"timestamp": ' + "7" * 5000 + ', "input_length": 3, "output_length": 1, "hash_ids": [1]}'],
+     "line 1: an integer of thousands of digits"),
 ])
 def test_malformed_traces_name_file_and_line(tmp_path, lines, message):
     path = write(tmp_path, "bad.jsonl", lines)
@@ -120,7 +165,7 @@ def test_unreadable_and_undecodable_files(tmp_path):
         read_workload(str(tmp_path / "missing.jsonl"))
     bad = tmp_path / "bytes.jsonl"
     bad.write_bytes(b'{"id": "a", "prompt": [1]}\n{"id": "\xff"}\n')
-    with pytest.raises(ValueError, match="line 2: not UTF-8 text"):
+    with pytest.raises(ValueError, match=r"line 2: not valid UTF-8 \(byte 0xff at column 9\)"):
         read_workload(str(bad))
     deep = tmp_path / "deep.jsonl"
     deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")

@@ -9,6 +9,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -130,11 +131,67 @@ def test_a_killed_prove_leaves_no_crosshair_process(sig):
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("budget", ["inf", "nan", "-1", "86401"])
-def test_a_budget_that_is_not_a_finite_positive_number_exits_2(capsys, budget):
+#: `kvproof prove` on one obligation whose z3 check runs for up to a minute (cubes: nonlinear).
+_LONG_Z3 = textwrap.dedent("""
+    import sys
+    import z3
+    from kvproof.cli.main import main
+    from kvproof.proofs import runner, z3kit
+    from kvproof.proofs.registry import PROVED, Obligation, Outcome
+
+    def long_check(budget):
+        x, y, z = z3.Ints("x y z")
+        s = z3kit._solver(60_000)
+        s.add(x * x * x + y * y * y == z * z * z, x > 0, y > 0, z > 0, x * y * z > 10**30)
+        print("checking", file=sys.stderr, flush=True)
+        z3kit._check(s)
+        return Outcome(PROVED)
+
+    runner.all_obligations = lambda: (Obligation("FAKE-LONG-Z3", (), "z3", "a long check", long_check),)
+    sys.exit(main(["prove"]))
+""")
+
+
+@pytest.mark.parametrize("to_group, sig, code, line", [
+    (True, signal.SIGINT, 130, "interrupted"), (False, signal.SIGINT, 130, "interrupted"),
+    (False, signal.SIGTERM, 143, "terminated"),
+], ids=["ctrl-c", "sigint", "sigterm"])
+def test_a_signal_during_a_z3_check_stops_the_run_at_once(to_group, sig, code, line):
+    """z3 runs in C: SIGINT is z3's to catch (it cancels the check, which used to end as a
+    verdict "timeout" and the run went on), SIGTERM waited for the check. Both stop now."""
+    p = subprocess.Popen([sys.executable, "-c", _LONG_Z3], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        assert p.stderr.readline() == "checking\n"
+        time.sleep(0.5)  # inside z3's check
+        sent = time.monotonic()
+        os.killpg(p.pid, sig) if to_group else p.send_signal(sig)
+        out, err = p.communicate(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert (p.returncode, out, err) == (code, "", f"kvproof prove: {line}\n")
+    assert took < 10, f"stopped {took:.1f} s after the signal (the check runs for 60 s)"
+
+
+@pytest.mark.parametrize("budget, message", [
+    ("inf", "argument --budget: 'inf' is not a decimal number"),
+    ("nan", "argument --budget: 'nan' is not a decimal number"),
+    ("1e3", "argument --budget: '1e3' is not a decimal number"),
+    ("-1", "--budget -1.0 must be a number of seconds in (0, 86400]"),
+    ("86401", "--budget 86401.0 must be a number of seconds in (0, 86400]"),
+])
+def test_a_budget_that_is_not_a_finite_positive_number_exits_2(capsys, budget, message):
     assert main(["prove", "--budget", budget]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"--budget {float(budget)} must be a number of seconds in (0, 86400]" in err[0]
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_an_empty_only_is_refused_not_everything_run(capsys):
+    assert main(["prove", "--only", ""]) == 2
+    assert capsys.readouterr().err == (
+        "kvproof prove: error: obligation id prefix '' is empty; expected the start of an id, e.g. LEM\n")
 
 
 #: One or more obligations of each method and of each kind of verdict, fast enough for the suite

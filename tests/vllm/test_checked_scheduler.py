@@ -457,7 +457,9 @@ def test_checks_that_cannot_be_installed_stop_the_scheduler_at_construction():
     def connector(scheduler):
         scheduler.vllm_config.kv_transfer_config = object()
 
-    with pytest.raises(ValueError, match="kvproof's checks do not model KV connectors"):
+    with pytest.raises(ValueError, match="kvproof's checks do not model KV connectors \\(--kv-transfer-config is set\\): "
+                                         "unset KVPROOF_CONTRACTS to serve with the connector unchecked, or stage "
+                                         "without --kv-transfer-config"):
         EngineHarness(layout_for(HYBRID), 64, scheduler_cls=_mutant(connector))
     spec = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16,
                                      attention_chunk_size=64)

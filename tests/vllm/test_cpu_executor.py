@@ -5,6 +5,7 @@ checked scheduler (``--scheduler-cls``). The teeth of the checks, through the re
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -20,7 +21,8 @@ from vllm.v1.engine.llm_engine import LLMEngine  # noqa: E402
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, MambaSpec  # noqa: E402
 
 from kvproof.impl.trace import TraceRequest  # noqa: E402
-from kvproof.integrations.vllm.cpu_executor import model_kv_cache_specs  # noqa: E402
+from kvproof.integrations.vllm import cpu_executor  # noqa: E402
+from kvproof.integrations.vllm.cpu_executor import model_kv_cache_specs, staged_gpu_memory  # noqa: E402
 from kvproof.integrations.vllm.engine_harness import EngineHarness  # noqa: E402
 from kvproof.integrations.vllm.kv_specs import layout_from_vllm  # noqa: E402
 from kvproof.integrations.vllm.tiny_model import tiny_model_dir  # noqa: E402
@@ -134,13 +136,19 @@ def _release_the_attention_row_twice(monkeypatch):
     monkeypatch.setattr(HybridKVCacheCoordinator, "free", buggy)
 
 
-def test_a_double_free_is_caught_in_the_engine(monkeypatch):
+@pytest.mark.parametrize("action", ["raise", "log"])
+def test_a_double_free_stops_the_engine_before_the_pool_changes(monkeypatch, action):
+    """In log mode too: a double free is always fatal (violations.ALWAYS_FATAL), serving on would
+    hand the block to two requests."""
+    monkeypatch.setenv("KVPROOF_ON_VIOLATION", action)
     _release_the_attention_row_twice(monkeypatch)
     engine = make_engine()
     try:
         with pytest.raises(InvariantViolation, match=r"INV-POOL-REF-NONNEG: step \d+, request 'a-\w+': block \d+ is freed "
                                                      r"with reference count 0; it would drop to -1"):
             drive(engine, [("a", range(100), 2, 1)])
+        pool = core_of(engine).scheduler.kv_cache_manager.block_pool
+        assert min(b.ref_cnt for b in pool.blocks if not b.is_null) == 0  # refused before the free ran
     finally:
         engine.engine_core.shutdown()
 
@@ -204,3 +212,49 @@ def test_unchecked_vllm_serves_the_hazard_without_a_word(monkeypatch):
         engine.engine_core.shutdown()
     assert {rid: hit for rid, (hit, _) in served.items()} == {"r0": 0, "r1": 10, "r2": 10}
     assert any(m.startswith("INV-CONTENT-KV: step 4, request 'r1-") for m in oracle.messages)
+
+
+# --- the staged GPU memory -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, size", [("", 80 << 30), ("80GiB", 80 << 30), ("141GB", 141 * 10**9), ("1.5 GiB", 3 << 29),
+                                        ("96000000000", 96 * 10**9), ("512mib", 512 << 20)])
+def test_staged_gpu_memory_reads_sizes(text, size):
+    assert staged_gpu_memory(text)[0] == size
+
+
+@pytest.mark.parametrize("text", ["lots", "80 GiBs", "-1GiB", "0", "1e3GB", "2PiB", "80GiB extra"])
+def test_a_staged_gpu_memory_that_is_no_size_is_refused_naming_it(text):
+    with pytest.raises(ValueError, match=f"KVPROOF_STAGING_GPU_MEMORY={text!r}; expected a GPU's memory such as 80GiB"):
+        staged_gpu_memory(text)
+
+
+def test_without_an_override_a_pool_this_machine_cannot_hold_is_refused_at_start(monkeypatch):
+    """The default staged GPU (80 GiB) gives the tiny model millions of blocks; with 1 GB of host
+    memory left, the start is refused in one line that says what to pass, before vLLM builds the pool."""
+    monkeypatch.setattr(cpu_executor, "available_memory", lambda: 10**9)
+    with pytest.raises(ValueError) as refused:
+        make_engine(num_blocks=None)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert re.fullmatch(r"the CPU staging executor would stage [\d,]+ blocks per rank, about [\d.,]+ GB of host memory "
+                        r"for vLLM's block pool and kvproof's checks \(1024 bytes per block\), but this machine has 1\.0 "
+                        r"GB available; pass --num-gpu-blocks-override 976,562 or less, or a smaller "
+                        r"KVPROOF_STAGING_GPU_MEMORY \(or --kv-cache-memory-bytes\)", message), message
+
+
+def _num_blocks(**extra) -> int:
+    engine = make_engine(num_blocks=None, **extra)
+    try:
+        return core_of(engine).scheduler.kv_cache_config.num_blocks
+    finally:
+        engine.engine_core.shutdown()
+
+
+def test_a_stated_gpu_memory_sizes_the_pool_as_vllm_sizes_that_much_kv_memory(monkeypatch):
+    """64 MiB staged, gpu_memory_utilization 0.92 (vLLM's default): the pool vLLM builds from
+    exactly that much KV memory (--kv-cache-memory-bytes, which the executor passes through)."""
+    monkeypatch.setenv("KVPROOF_STAGING_GPU_MEMORY", "64MiB")
+    staged = _num_blocks()
+    monkeypatch.setenv("KVPROOF_STAGING_GPU_MEMORY", "1TiB")  # ignored when vLLM is told the KV memory
+    assert staged == _num_blocks(kv_cache_memory_bytes=int((64 << 20) * 0.92)) > 100

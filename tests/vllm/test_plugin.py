@@ -68,12 +68,14 @@ def _v1_tables(widths):
                                 slot_mapping_modes=[SlotMappingMode.NONE] * len(widths))
 
 
-def test_v1_row_overflow_is_refused_before_any_group_is_written():
+@pytest.mark.parametrize("action", ["raise", "log"])
+def test_v1_row_overflow_is_refused_before_any_group_is_written(action):
     """vLLM's V1 table bumps the row count, then numpy raises (docs/vllm-semantics.md §10.6);
-    checked, the write is refused first and nothing changes."""
+    checked, the write is refused first and nothing changes -- in log mode too: a write past a
+    row is always fatal (on a GPU it corrupts memory)."""
     tables = _v1_tables([8, 4])
     tables.add_row(([1, 2, 3], [4, 5, 6]), 0)
-    append = worker_checks.checked_v1_append_row(MultiGroupBlockTable.append_row, ViolationSink("raise"))
+    append = worker_checks.checked_v1_append_row(MultiGroupBlockTable.append_row, ViolationSink(action))
     with pytest.raises(InvariantViolation, match=r"INV-TABLE-WRITE-BOUND: row 0, group 1: a write of 2 block ids at "
                                                  r"entry 3 ends at 5, past the row capacity of 4"):
         append(tables, ([7, 8], [9, 10]), 0)
@@ -174,7 +176,9 @@ def _run_fresh(script, **env):
     done = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
     assert lines, done.stderr[-3000:]
-    return json.loads(lines[-1][len("REPORT "):])
+    report = json.loads(lines[-1][len("REPORT "):])
+    report["status"], report["last"] = done.returncode, (done.stderr.strip().splitlines() or [""])[-1]
+    return report
 
 
 def test_the_plugin_installs_every_check_through_vllms_plugin_loader():
@@ -185,6 +189,8 @@ def test_the_plugin_installs_every_check_through_vllms_plugin_loader():
     assert report["installed"] and report["idempotent"] and report["scheduler"]
     assert report["tables"] and report["slots"] and report["copies"] and report["checker"]
     assert report["violation"].startswith("INV-COW-SOURCE-READY: step 4, request 'r1-")
+    # The stop report: an offline engine's process also ends with the line, and status 1.
+    assert report["status"] == 1 and report["last"].startswith("kvproof: " + report["violation"] + "; to fix: ")
 
 
 def test_without_the_switch_the_installed_plugin_changes_nothing():

@@ -6,124 +6,31 @@ time (so their hits can be compared), then a concurrent burst. Zero violations (
 and counts them, and the counters reach ``/metrics`` from the engine core); every request's
 cached tokens (from the usage reply) equal vLLM's own Scheduler on the same trace (the engine
 harness), and equal kvproof's replay or differ by a named rule; the server shuts down cleanly
-and leaves no process behind."""
+and leaves no process behind. The metrics directory is reused from an earlier run: /metrics
+starts from zero all the same."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import random
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
 
 import pytest
 
 pytestmark = pytest.mark.vllm
 
 pytest.importorskip("vllm")
-psutil = pytest.importorskip("psutil")
+pytest.importorskip("psutil")
 
 from kvproof.impl.replay import replay  # noqa: E402
 from kvproof.impl.trace import TraceRequest  # noqa: E402
 from kvproof.integrations.vllm.engine_harness import EngineHarness, StepHook  # noqa: E402
-from kvproof.integrations.vllm.tiny_model import write_tiny_model  # noqa: E402
 from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
 
-BLOCK, NUM_BLOCKS, BUDGET, MAX_SEQS, MAX_LEN = 16, 1024, 512, 16, 4096
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _vllm_command() -> list[str]:
-    script = shutil.which("vllm") or os.path.join(os.path.dirname(sys.executable), "vllm")
-    return [script]
-
-
-class Server:
-    def __init__(self, dcp: int) -> None:
-        self.dir = tempfile.mkdtemp(prefix="kvproof-serve-")
-        self.model = write_tiny_model(os.path.join(self.dir, "model"))
-        metrics_dir = os.path.join(self.dir, "prometheus")
-        os.mkdir(metrics_dir)
-        self.port = _free_port()
-        env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_ENABLE_V1_MULTIPROCESSING")}
-        env.update(VLLM_TARGET_DEVICE="cpu", KVPROOF_CONTRACTS="cheap", KVPROOF_ON_VIOLATION="log",
-                   PROMETHEUS_MULTIPROC_DIR=metrics_dir)
-        self.log = open(os.path.join(self.dir, "serve.log"), "w")
-        self.proc = subprocess.Popen(
-            _vllm_command() + [
-                "serve", self.model, "--skip-tokenizer-init", "--block-size", str(BLOCK),
-                "--num-gpu-blocks-override", str(NUM_BLOCKS), "--tensor-parallel-size", str(dcp),
-                "--decode-context-parallel-size", str(dcp),
-                "--distributed-executor-backend", "kvproof.integrations.vllm.cpu_executor.CpuStagingExecutor",
-                "--enable-prefix-caching", "--max-model-len", str(MAX_LEN), "--max-num-seqs", str(MAX_SEQS),
-                "--max-num-batched-tokens", str(BUDGET), "--enable-prompt-tokens-details",
-                "--host", "127.0.0.1", "--port", str(self.port),
-            ],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def wait_until_up(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url("/health"), timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(2)
-        raise AssertionError(f"vllm serve did not come up in {timeout} s:\n{self.tail()}")
-
-    def complete(self, prompt, max_tokens: int) -> dict:
-        body = json.dumps({"model": self.model, "prompt": list(prompt), "max_tokens": max_tokens,
-                           "ignore_eos": True, "return_token_ids": True}).encode()
-        request = urllib.request.Request(self.url("/v1/completions"), body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as r:
-            return json.loads(r.read())
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(self.url("/metrics"), timeout=30) as r:
-            return r.read().decode()
-
-    def tail(self) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()[-4000:]
-
-    def stop(self) -> tuple[int, list]:
-        """SIGTERM, as an operator would; returns the exit status and any process left."""
-        family = [self.proc.pid] + [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout=120)
-        finally:
-            self.log.close()
-        deadline = time.monotonic() + 30
-        alive = [p for p in family if psutil.pid_exists(p)]
-        while alive and time.monotonic() < deadline:
-            time.sleep(1)
-            alive = [p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        for pid in alive:  # do not leak into the rest of the test run
-            os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(self.dir, ignore_errors=True)
-        return code, alive
+from .serving import BLOCK, BUDGET, MAX_LEN, MAX_SEQS, NUM_BLOCKS, Server  # noqa: E402
 
 
 def chats(seed: int, num_chats: int, turns: int, systems: int = 3):
@@ -177,11 +84,28 @@ def name_difference(rid, vllm_hit, ours, trace, junctions, layout):
     return None
 
 
+def previous_run(metrics_dir: str) -> str:
+    """A PROMETHEUS_MULTIPROC_DIR reused from an earlier run: a process that counted 7 kvproof
+    violations there and ended. Returns the file it left."""
+    before = set(os.listdir(metrics_dir))
+    subprocess.run([sys.executable, "-c", "from prometheus_client import Counter; Counter('kvproof_violations', 'x', "
+                    "['invariant']).labels(invariant='INV-FROM-AN-EARLIER-RUN').inc(7)"],
+                   env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}, check=True, timeout=120)
+    (left,) = set(os.listdir(metrics_dir)) - before
+    return left
+
+
 @pytest.mark.parametrize("dcp, num_chats, turns", [(2, 40, 5), (4, 12, 5)])
-def test_vllm_serve_with_checks(dcp, num_chats, turns):
-    server = Server(dcp)
+def test_vllm_serve_with_checks(dcp, num_chats, turns, tmp_path):
+    metrics_dir = str(tmp_path / "prometheus")
+    os.mkdir(metrics_dir)
+    stale = previous_run(metrics_dir)
+    server = Server(dcp, metrics_dir=metrics_dir)
     try:
         server.wait_until_up()
+        # The reused directory starts from zero: the earlier run's file is gone, its count with it.
+        assert stale not in os.listdir(metrics_dir)
+        assert "INV-FROM-AN-EARLIER-RUN" not in server.metrics()
         trace, served = [], {}
         conversation = chats(dcp, num_chats, turns)
         step = conversation.send(None)
