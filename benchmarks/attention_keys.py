@@ -1,4 +1,4 @@
-"""Attention keys at every hash boundary against keys at chunk ends only (issue 15): hits per
+"""Attention keys at every hash boundary against keys at chunk ends only: hits per
 request and the memory the extra keys cost, on the Mooncake conversation trace, per DCP size.
 
 For each DCP size both rules replay the same trace (kvproof's scheduler and manager, cheap

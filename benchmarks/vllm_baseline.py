@@ -48,7 +48,7 @@ from kvproof.integrations.vllm.kv_specs import kv_cache_config_for  # noqa: E402
 from kvproof.spec.layout import Layout  # noqa: E402
 
 #: vLLM's default ``prefix_caching_hash_algo`` (pickle + SHA-256). The NONE_HASH seed is then the
-#: fixed "vllm-none-hash" string unless PYTHONHASHSEED is set (reference 2.1).
+#: fixed "vllm-none-hash" string unless PYTHONHASHSEED is set (docs/vllm-semantics.md §2.1).
 HASH_ALGO = "sha256"
 
 

@@ -37,6 +37,10 @@ def run(args: argparse.Namespace) -> int:
     # torch is imported here only: the other subcommands work without it.
     import dataclasses
 
+    from kvproof.extras import require
+
+    require("kernels", "this command")  # a MissingExtra: exit 2 (cli/guard.py)
+
     from kvproof.e2e.dcp import RankError
     from kvproof.e2e.model import ModelConfig
     from kvproof.e2e.runner import TOLERANCE, E2EOptions, run_e2e

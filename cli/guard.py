@@ -12,6 +12,8 @@ future, gets the same behaviour for free:
   output is discarded, the command runs to its end, and then one line says why the output was
   lost and the status is 74 (sysexits' EX_IOERR) -- unless the command failed on its own (1, 2).
   ``--help`` and ``--version`` are output too.
+- **A missing optional extra** (``kvproof.extras.MissingExtra``, raised before any work): one
+  line naming the extra and its install command, status 2.
 - **Out of memory**: one line, status 2 (the input was too large for this machine).
 - **Any other exception** is a bug in kvproof: one line naming it, status 70. Set
   ``KVPROOF_DEBUG=1`` to get the traceback instead.
@@ -36,6 +38,7 @@ from kvproof.cli.errors import (
     print_error,
     say,
 )
+from kvproof.extras import MissingExtra
 
 
 class Interrupted(KeyboardInterrupt):
@@ -162,6 +165,9 @@ def run_command(prog: str, run: Callable[[], int]) -> int:
                 signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
                 say(f"{prog}: {'interrupted' if signum == signal.SIGINT else 'terminated'}")
                 return EXIT_SIGNAL_BASE + signum
+            except MissingExtra as e:
+                print_error(prog, str(e))
+                return EXIT_BAD_INPUT
             except MemoryError:
                 print_error(prog, "out of memory: the input is too large for this machine")
                 return EXIT_BAD_INPUT

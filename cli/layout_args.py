@@ -50,8 +50,9 @@ def _size(value: str, name: str, group: str) -> int:
         raise ValueError(f"group {group!r}: {e}") from None
 
 
-def add_layout_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    """Add the layout flags; returns their actions (to tell which ones were given)."""
+def add_layout_arguments(parser: argparse.ArgumentParser, default_preset: str = DEFAULT_PRESET) -> list[argparse.Action]:
+    """Add the layout flags (``default_preset``: the layout the command uses without ``--preset``
+    or ``--group``, as its help says); returns their actions (to tell which ones were given)."""
     g = parser.add_argument_group("cache layout")
     actions: list[argparse.Action] = []
 
@@ -64,7 +65,7 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> list[argparse.Actio
         "':replicated' / ':sharded' and ':window=N' may follow",
     )
     add("--preset", choices=sorted(PRESETS),
-        help=f"a named layout (default {DEFAULT_PRESET} when no --group; not combined with --group)")
+        help=f"a named layout (default {default_preset} when no --group; not combined with --group)")
     add("--dcp", type=any_decimal, help="decode context parallel size (ranks sharding attention KV)")
     add("--max-model-len", type=token_count, help="longest request, in tokens")
     add("--hash-block-size", type=token_count, help="hash granularity H (default: derived)")

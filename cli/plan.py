@@ -50,7 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     w.add_argument("--output-len", default="20-600", metavar="LO-HI", help="generator: output lengths (default 20-600)")
     w.add_argument("--rate", type=decimal_number, default=4.0, help="generator: arrivals per second (default 4)")
     w.add_argument("--seed", type=any_decimal, default=0, help="generator: random seed (default 0)")
-    add_layout_arguments(p)
+    add_layout_arguments(p, default_preset=DEFAULT_PRESET)
     p.add_argument("--dcp", default=",".join(map(str, DEFAULT_DCPS)), metavar="N[,N...]",
                    help="DCP sizes to compare (default 1,2,4,8)")
     p.add_argument("--eviction", default=LRU, metavar="POLICY[,POLICY...]",

@@ -54,6 +54,9 @@ def format_results(results) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvproof.extras import require
+
+    require("proofs", "this command")  # before the runner imports z3; a MissingExtra: exit 2 (cli/guard.py)
     from kvproof.proofs.runner import MAX_BUDGET, run_all, select
 
     if not 0 < args.budget <= MAX_BUDGET:  # also refuses nan and inf

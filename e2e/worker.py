@@ -82,7 +82,8 @@ class Worker:
         slot_rank = (self.rank + f.slot_mapping_rank_shift) % self.dcp
         if not f.mamba_width_divided_by_dcp:
             return BlockTables.from_layout(self.layout, max_num_reqs, dcp_rank=slot_rank, backend=backend)
-        # vLLM 0.33's rule for every group (reference 6.3): cdiv(max_len, block_size * dcp).
+        # vLLM 0.33's rule for every group (docs/vllm-semantics.md §6.3):
+        # cdiv(max_len, block_size * dcp).
         max_len = self.layout.config.max_model_len
         groups = [
             TableGroup(

@@ -8,9 +8,10 @@ Measured against an ``OrderedDict`` queue, the int arrays are ~2x faster per pop
 OrderedDict's ``popitem(last=False)``/``move_to_end`` go through its hash table); see
 docs/benchmarks.md.
 
-Semantics are those of ``kvproof.spec.block_pool`` (read that module first): one key per block,
-the null block 0 inert, ``allocate`` pops the free-queue head and evicts, ``free`` prepends
-uncached blocks and appends cached ones. Differences from vLLM 0.33 (reference section 10.2):
+Semantics are those of ``kvproof.spec.block_pool`` (read that module first): a block's primary
+key names the longest prefix it holds (with ``keep_prefixes`` its earlier, shorter keys stay as
+prefix keys), the null block 0 is inert, ``allocate`` pops the free-queue head and evicts,
+``free`` prepends uncached blocks and appends cached ones. Differences from vLLM 0.33 (docs/vllm-semantics.md §10.2):
 no alias keys; a partial key at a boundary the block already covers is refused; promotion and
 growth retire the shorter key, so no stale key can come back.
 
@@ -524,9 +525,9 @@ class BlockPool:
         Returns True if newly attached (the entry grows forward: the block's keys so far are
         retired, or kept as prefix keys with ``keep_prefixes``), False if the block already holds
         this key, and None (no change) if the block already covers ``>= num_tokens`` tokens under
-        another key: it has outgrown that boundary, and attaching it would bring back a retired
-        key (vLLM 0.33, reference 10.2). ``replace=True`` is for a rewritten Mamba state: every
-        old key goes whatever its length (and ``keep_prefixes`` makes no sense with it).
+        another key: it has outgrown that boundary, and attaching it would bring back a retired key
+        (vLLM 0.33, docs/vllm-semantics.md §10.2). ``replace=True`` is for a rewritten Mamba state:
+        every old key goes whatever its length (and ``keep_prefixes`` makes no sense with it).
         """
         if replace and keep_prefixes:
             raise ValueError("cache_partial: replace (a rewritten state) and keep_prefixes (append-only) exclude each other")

@@ -4,7 +4,7 @@ candidate searches and contracts cost more than the rule itself on every schedul
 
 from __future__ import annotations
 
-from kvproof.spec.chunk_split import SplitRule
+from kvproof.spec.chunk_split import SplitRule, replay_boundaries, state_below
 
 
 def _checkpoint(num_tokens: int, unit: int, eagle_drop: bool, lookahead: int) -> int:
@@ -17,7 +17,8 @@ def _checkpoint(num_tokens: int, unit: int, eagle_drop: bool, lookahead: int) ->
 class ChunkSplitter:
     """One layout's split rule; :meth:`end` is called for every prefill chunk."""
 
-    __slots__ = ("block", "hash_block", "max_prefill", "partial_tail", "eagle", "lookahead", "exact_junction")
+    __slots__ = ("block", "hash_block", "max_prefill", "partial_tail", "eagle", "lookahead", "exact_junction",
+                 "scheduler_block", "replay_alignment", "_replay")
 
     def __init__(self, rule: SplitRule) -> None:
         self.block = rule.mamba_block_size
@@ -27,6 +28,9 @@ class ChunkSplitter:
         self.eagle = rule.eagle_drop
         self.lookahead = rule.lookahead
         self.exact_junction = rule.shared_prefix_checkpoint
+        self.scheduler_block = rule.scheduler_block_size
+        self.replay_alignment = rule.replay_alignment
+        self._replay: dict[int, tuple[int, ...]] = {}  # prompt length -> its replay stops
 
     def end(self, start: int, num_new: int, num_tokens: int, num_prompt: int, junctions: tuple[int, ...] = ()) -> int:
         """End (exclusive) of the chunk taking at most ``num_new`` tokens from ``start``;
@@ -54,9 +58,25 @@ class ChunkSplitter:
             tail = _checkpoint(num_prompt, self.hash_block, self.eagle, self.lookahead)
             if last < tail < num_prompt and start < tail < end:
                 end = tail
+        if self.replay_alignment:
+            for stop in self._replay_stops(num_prompt):
+                if start < stop < end:
+                    end = stop
         for j in junctions:
             if start < j < target:  # a junction the unclipped chunk reaches (vLLM's test)
                 stop = j if self.exact_junction and j <= num_prompt else start + (j - start) // b * b
                 if start < stop < end:
                     end = stop
         return end
+
+    def _replay_stops(self, num_prompt: int) -> tuple[int, ...]:
+        """The states retention keeps at the prompt's replay boundaries (the spec's
+        ``state_below`` of each), remembered per prompt length."""
+        stops = self._replay.get(num_prompt)
+        if stops is None:
+            stops = tuple(state_below(p, self.replay_alignment, self.block)
+                          for p in replay_boundaries(num_prompt, self.scheduler_block, self.eagle))
+            if len(self._replay) > 4096:
+                self._replay.clear()
+            self._replay[num_prompt] = stops
+        return stops

@@ -53,10 +53,13 @@ class HybridCoordinator:
         self.use_eagle = use_eagle
         if layout.partial.warning:
             logger.warning(layout.partial.warning)
+        #: ``shared_prefix_checkpoint`` in effect: as in vLLM 0.33.0, only for EAGLE with partial
+        #: hits (docs/vllm-semantics.md §5.4); otherwise junction states are block-floored.
+        self.exact_junction = layout.config.shared_prefix_checkpoint and use_eagle and layout.partial_hash_hits
         retention = dict(
             retention_interval=layout.config.retention_interval,
             scheduler_block_size=layout.scheduler_block_size,
-            exact_junction=layout.config.shared_prefix_checkpoint,
+            exact_junction=self.exact_junction,
         )
         keys = dict(attention_keys=layout.config.attention_keys)
         self.managers: tuple[SingleTypeManager, ...] = tuple(
@@ -73,6 +76,7 @@ class HybridCoordinator:
         # with a group that keeps no reusable state (Mamba in mode 'none') never hits.
         self._lookup_order = tuple(sorted(self.managers, key=lambda m: not m.group.kind.is_attention))
         self._first_block = self._lookup_order[0].block_size
+        self._first_eagle_unit = self._lookup_order[0].eagle_unit
         self._cacheable = all(m.group.prefix_cacheable for m in self.managers)
         #: The empty hit (no tokens, no blocks, no junctions).
         self.miss = Hit(0, tuple([] for _ in self.managers))
@@ -114,11 +118,15 @@ class HybridCoordinator:
 
     def _junctions(self, hit: int, longest: int) -> tuple[int, ...]:
         """Where this request branches off cached content: the longest single-group hit, and
-        the last attention block boundary below it (where a hit can land without a partial
-        key), when beyond the joint hit."""
+        where a hit lands on the last attention block boundary below its coverage (without a
+        partial key: vLLM's junction), when beyond the joint hit. With EAGLE a hit ends one
+        unit below the coverage, so that is the boundary below ``longest + unit``, minus the
+        unit."""
         if longest <= hit:
             return ()
-        coarse = longest - longest % self._first_block
+        unit = self._first_eagle_unit
+        covered = longest + unit
+        coarse = covered - covered % self._first_block - unit
         return (coarse, longest) if hit < coarse < longest else (longest,)
 
     # --- allocation -----------------------------------------------------------------------------

@@ -295,12 +295,17 @@ def _splitter_for(kv: KVCacheManager, budget: int, threshold: int) -> ChunkSplit
     ]
     if not mamba:
         return None
+    partial_tail = layout.partial_hash_hits and layout.hash_block_size < layout.scheduler_block_size
+    # Under sparse retention the states it keeps for replay must be materialised: stop there.
+    sparse = layout.config.retention_interval is not None
     rule = SplitRule(
         mamba_block_size=min(mamba),
         hash_block_size=layout.hash_block_size,
         max_prefill_tokens=min(budget, threshold) if threshold else budget,
-        partial_tail=layout.partial_hash_hits and layout.hash_block_size < layout.scheduler_block_size,
+        partial_tail=partial_tail,
         eagle_drop=kv.coordinator.use_eagle,
-        shared_prefix_checkpoint=layout.config.shared_prefix_checkpoint,
+        shared_prefix_checkpoint=partial_tail and kv.coordinator.exact_junction,
+        scheduler_block_size=layout.scheduler_block_size if sparse else 0,
+        replay_alignment=layout.cache_hit_alignment if sparse else 0,
     )
     return ChunkSplitter(rule)

@@ -6,7 +6,7 @@ write that would end past the row before staging it (INV-TABLE-WRITE-BOUND); the
 every store to the row width anyway, as a second line of defence, and reports a write it had
 to cut in ``clipped`` so that the host can name it. vLLM 0.33's write kernel masks only by
 content length, which is how a too-narrow Mamba row spilled into the next request's row
-(reference 6.3, 10.6).
+(docs/vllm-semantics.md §6.3, §10.6).
 """
 
 from __future__ import annotations

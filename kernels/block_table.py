@@ -7,12 +7,12 @@ sharded attention rows hold ``cdiv(max_len, block_size * dcp)`` entries, replica
 ``cdiv(max_len, block_size) + speculative`` -- never divided by DCP (INV-TABLE-WIDTH).
 
 An append is checked for every group before anything is staged (INV-TABLE-WRITE-BOUND,
-INV-TABLE-APPEND-ATOMIC): vLLM 0.33 checked group by group, so an overflow in group 1 left
-group 0 already staged with its count advanced (reference 10.6). Staged writes reach the
+INV-TABLE-APPEND-ATOMIC): vLLM 0.33 checked group by group, so an overflow in group 1 left group 0
+already staged with its count advanced (docs/vllm-semantics.md §10.6). Staged writes reach the
 tables in one kernel launch at :meth:`BlockTables.apply_staged_writes`.
 
-Worked example (reference 6.3, example 2): Mamba block 16, DCP 8, 1,048,576 tokens needs
-65,536 entries; the old rule ``cdiv(max_len, 16 * 8)`` gave 8,192, and appending the 65,536
+Worked example (docs/vllm-semantics.md §6.3, example 2): Mamba block 16, DCP 8, 1,048,576 tokens
+needs 65,536 entries; the old rule ``cdiv(max_len, 16 * 8)`` gave 8,192, and appending the 65,536
 blocks of a 1M-token request into such a row is refused here before any write.
 """
 

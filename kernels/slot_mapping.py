@@ -8,11 +8,11 @@ Per token at global position ``p``, in group ``g`` with physical block size ``bs
   ``vb * bs + (off // (I * D)) * I + off % I``. Other ranks map the token to PAD_SLOT.
 - replicated group (Mamba), or ``D == 1``: every rank maps the token, local position ``p``.
 
-The slot is ``row[local // bs] * bs + local % bs``. Unlike vLLM 0.33 (reference 10.7) the
-table index is checked against the row width (INV-SLOT-INDEX-BOUND): an index past the row
-yields PAD_SLOT and is recorded in ``worst_index``, which the host turns into an IndexError
-naming the request, the group, the index and the width. Dummy rows and tokens past the batch
-map to PAD_SLOT. This is the vectorised form of :func:`kvproof.spec.placement.slot_for_position`.
+The slot is ``row[local // bs] * bs + local % bs``. Unlike vLLM 0.33 (docs/vllm-semantics.md §10.7)
+the table index is checked against the row width (INV-SLOT-INDEX-BOUND): an index past the row
+yields PAD_SLOT and is recorded in ``worst_index``, which the host turns into an IndexError naming
+the request, the group, the index and the width. Dummy rows and tokens past the batch map to
+PAD_SLOT. This is the vectorised form of :func:`kvproof.spec.placement.slot_for_position`.
 """
 
 from __future__ import annotations

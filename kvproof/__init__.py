@@ -1,8 +1,8 @@
 """kvproof: a formally specified KV-cache block manager for hybrid models under DCP.
 
-The subpackages map the repository's top-level folders:
+The subpackages map the repository's top-level folders (setup.py derives the map):
 ``kvproof.spec`` (spec/), ``kvproof.impl`` (impl/), ``kvproof.kernels`` (kernels/),
-``kvproof.proofs`` (proofs/) and ``kvproof.cli`` (cli/).
+``kvproof.proofs`` (proofs/), ``kvproof.cli`` (cli/) and the others beside them.
 """
 
 __version__ = "0.1.0"

@@ -9,18 +9,15 @@ import io
 import os
 
 from kvproof import leftovers
+from kvproof.extras import require
 from kvproof.planner.memory import gib
 from kvproof.planner.run import ConfigReport
 
-MISSING = "--plot needs matplotlib; install it with: pip install 'kvproof[plot]'"
-
 
 def require_matplotlib() -> None:
-    """Raise ValueError with a one-line install hint when matplotlib is missing."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ValueError(MISSING) from None
+    """Raise ``kvproof.extras.MissingExtra`` (one line naming the ``plot`` extra and its install
+    command) when matplotlib does not import."""
+    require("plot", "--plot")
 
 
 def check_destination(path: str) -> None:

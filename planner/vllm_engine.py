@@ -9,26 +9,21 @@ before it arrives, and when nothing is in flight the step counter jumps to the n
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable, Optional
 
+from kvproof.extras import require
 from kvproof.impl.workload import Workload
 from kvproof.planner.memory import PoolPlan, largest_request, table_bytes_per_gpu
 from kvproof.planner.run import ConfigReport, RunOptions, _per_layout_group, config_layout
 from kvproof.spec.layout import LayoutConfig
 
-MISSING = "--engine vllm needs vLLM 0.33.0; install it with: pip install -r requirements/vllm.txt && pip install --no-deps vllm==0.33.0"
-
 
 def require_vllm() -> None:
-    """Raise ValueError with an install hint unless vLLM's scheduler side imports. vLLM's own
-    logging is turned down to errors: the plan's stderr carries only the plan's messages."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    try:
-        import kvproof.integrations.vllm.engine_harness  # noqa: F401  (sets VLLM_TARGET_DEVICE first)
-    except Exception:  # ImportError, or a broken install failing inside vLLM's own imports
-        raise ValueError(MISSING) from None
+    """Raise ``kvproof.extras.MissingExtra`` (naming the ``vllm`` extra and its install
+    command) unless vLLM's scheduler side imports on the CPU platform; vLLM's own
+    logging is turned down to errors, so the plan's stderr carries only the plan's messages."""
+    require("vllm", "--engine vllm")
 
 
 def run_config_vllm(

@@ -287,9 +287,9 @@ def _search(ops: Ops, num_blocks: int, depth: int, deadline: float, policy: str 
 def _cache_partial_accepting_outgrown(
     s: PoolState, block: int, key, num_tokens: int, replace: bool = False, keep_prefixes: bool = False
 ) -> tuple[PoolState, Optional[bool]]:
-    """SEEDED BUG (vLLM 0.33's alias, reference 10.2): a partial boundary the block has already
-    outgrown is attached instead of refused, so the block is named by a prefix shorter than the
-    one it holds (for a Mamba state: a stale state served as a hit)."""
+    """SEEDED BUG (vLLM 0.33's alias, docs/vllm-semantics.md §10.2): a partial boundary the block
+    has already outgrown is attached instead of refused, so the block is named by a prefix shorter
+    than the one it holds (for a Mamba state: a stale state served as a hit)."""
     if s.key[block] == key:
         return s, False
     attached = (

@@ -21,12 +21,14 @@ from kvproof.spec.chunk_split import SplitRule, chunk_end
 
 def scope():
     """Mamba blocks 1-4 with every H dividing them, sequences up to 6 tokens, chunk limits 1 and
-    5, no junction or one at every position, both junction modes."""
+    5, no junction or one at every position, both junction modes, with and without replay stops
+    (scheduler block 2 * Mamba, alignment H)."""
     for mamba, num_tokens in itertools.product(range(1, 5), range(1, 7)):
         for h in (d for d in range(1, mamba + 1) if mamba % d == 0):
-            for flags in itertools.product((False, True), (False, True), (0, 1), (False, True), (1, 5)):
-                partial_tail, eagle_drop, lookahead, exact, max_prefill = flags
-                rule = SplitRule(mamba, h, max_prefill, partial_tail, eagle_drop, lookahead, exact)
+            for flags in itertools.product((False, True), (False, True), (0, 1), (False, True), (1, 5), (0, 2 * mamba)):
+                partial_tail, eagle_drop, lookahead, exact, max_prefill, s = flags
+                rule = SplitRule(mamba, h, max_prefill, partial_tail, eagle_drop, lookahead, exact,
+                                 scheduler_block_size=s, replay_alignment=h if s else 0)
                 for prompt in sorted({(num_tokens + 1) // 2, num_tokens}):
                     for start in range(num_tokens):
                         for num_new in range(1, min(max_prefill, num_tokens - start) + 1):

@@ -11,7 +11,7 @@ kind that can hold it, as a ``GroupView`` the spec evaluates:
 - Mamba: any other set (a state exists exactly at the lengths in the set).
 
 Each realisation is first checked on its own: ``spec.usable`` accepts exactly the lengths the
-group's kind says it can restore, stated here from the docs (``restorable_by_kind``). Then, for
+group's kind says it can restore, stated here from the docs (each realisation's ``rule``). Then, for
 every ordered tuple of 1-3 groups, three numbers must agree: the largest length in every set
 (the reference), ``spec.joint_hit`` with its contracts on (INV-HIT-BOUND: a multiple of A, at
 most the bound and the hashed length), and ``spec.joint_hit.fixpoint``, the loop

@@ -16,9 +16,9 @@ Vocabulary
 * **Prefix keys, on request.** Attention KV is append-only: a block that holds ``[0, N)`` also holds
   every shorter prefix it held before. A caller that says so (``keep_prefixes``) keeps the keys its
   block had as *prefix keys* when the block grows, so a request that diverges inside the block can
-  still hit the longest prefix it shares (vLLM 0.33 keeps such keys as "aliases" by accident, with
-  stale ones among them, reference 10.2). Without ``keep_prefixes`` (a Mamba state, which
-  summarises one length) growing retires every older key. Either way a key is added only above
+  still hit the longest prefix it shares (vLLM 0.33 keeps such keys as "aliases" by accident,
+  with stale ones among them, docs/vllm-semantics.md §10.2). Without ``keep_prefixes`` (a Mamba
+  state, which summarises one length) growing retires every older key. Either way a key is added only above
   what the block covers (a boundary it has outgrown is refused), so no retired key comes back
   (INV-POOL-NO-STALE-PARTIAL), and all of a block's keys leave together (INV-POOL-PREFIX-KEYS).
 * The free queue holds every real block with ref count 0, head first. ``allocate`` pops from the
@@ -447,7 +447,7 @@ def cache_partial(
     Result: True newly attached (the entry grows forward: the block's keys so far become prefix
     keys with ``keep_prefixes``, else they are retired), False already attached, None refused
     because the block already covers ``>= num_tokens`` tokens under another key (attaching it
-    would bring back a retired boundary: the vLLM 0.33 alias bug, reference 10.2).
+    would bring back a retired boundary: the vLLM 0.33 alias bug, docs/vllm-semantics.md §10.2).
     ``replace=True`` (a rewritten Mamba state) retires every key and attaches regardless of the
     length the block covered before.
     """

@@ -23,7 +23,12 @@ The stops, each for a reason of its own:
 - every *shared-prefix junction* the lookup reported: a length this request shares with
   cached content beyond its hit, where the next sibling will branch (Marconi). The stop is the
   junction itself with ``shared_prefix_checkpoint`` (and inside the prompt), else the furthest
-  whole number of Mamba blocks from ``start`` that does not pass it.
+  whole number of Mamba blocks from ``start`` that does not pass it;
+- with ``replay_alignment`` set (kvproof, under sparse retention; vLLM has no such stop), the
+  states retention keeps for the prompt's *replay boundaries* (:func:`replay_boundaries`, each
+  at :func:`state_below` it): with EAGLE they are scheduler-block multiples that the last
+  checkpoint is not, and a state exists only where a chunk ends -- vLLM has them only when its
+  budget-sized chunks happen to end there (docs/coordinator.md, "Hit parity with vLLM 0.33.0").
 
 This module is the definition, written for clarity; ``kvproof.impl.chunk_split`` is the
 integer fast path the scheduler runs, tested against it.
@@ -42,7 +47,8 @@ class SplitRule:
 
     ``max_prefill_tokens`` is the most tokens any one chunk may take: the scheduler's budget,
     lowered to ``long_prefill_token_threshold`` when that is set. ``partial_tail`` is "align
-    mode, partial hash hits on and H < S".
+    mode, partial hash hits on and H < S". ``scheduler_block_size`` and ``replay_alignment`` (the
+    cache-hit alignment A; both 0: no replay stops, vLLM's rule) place the replay-boundary stops.
     """
 
     mamba_block_size: int
@@ -52,12 +58,23 @@ class SplitRule:
     eagle_drop: bool = False
     lookahead: int = 0
     shared_prefix_checkpoint: bool = False
+    scheduler_block_size: int = 0
+    replay_alignment: int = 0
 
     def __post_init__(self) -> None:
         for name in ("mamba_block_size", "hash_block_size", "max_prefill_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} {value!r} must be a positive integer")
+        for name in ("scheduler_block_size", "replay_alignment"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} {value!r} must be a non-negative integer")
+        if bool(self.replay_alignment) != bool(self.scheduler_block_size):
+            raise ValueError(
+                f"replay_alignment {self.replay_alignment} and scheduler_block_size {self.scheduler_block_size}: "
+                "expected both set (replay stops) or both 0"
+            )
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
             raise ValueError(f"lookahead {self.lookahead!r} must be a non-negative integer")
 
@@ -81,6 +98,25 @@ def checkpoint_position(num_tokens: int, unit: int, eagle_drop: bool, lookahead:
     return max((p for p in multiples if num_tokens - p >= keep), default=0)
 
 
+def replay_boundaries(num_prompt_tokens: int, scheduler_block: int, eagle: bool) -> tuple[int, ...]:
+    """Where a later request replaying this prompt resumes: a resend of the identical prompt is
+    capped at ``num_prompt - 1`` tokens; with EAGLE the draft needs the block above, so both a
+    resend and a longer sibling land one scheduler block lower (docs/vllm-semantics.md §5.4)."""
+    if not eagle:
+        return (num_prompt_tokens - 1,)
+    s = scheduler_block
+    resend = (num_prompt_tokens - 1) // s * s
+    extension = num_prompt_tokens // s * s
+    return tuple(sorted({max(resend - s, 0), max(extension - s, 0)}))
+
+
+def state_below(position: int, alignment: int, block: int) -> int:
+    """The Mamba state a hit at ``position`` (at most) resumes from: the last whole block at or
+    below the largest hit length (a multiple of ``alignment``) that does not pass ``position``."""
+    aligned = position // alignment * alignment
+    return aligned // block * block
+
+
 def prefill_end(num_tokens: int, num_prompt_tokens: int) -> int:
     """Where prefill ends: the prompt, or for a request resumed after preemption with outputs,
     the last known token (its KV is computed by the next decode step)."""
@@ -101,6 +137,9 @@ def stops(
         tail = checkpoint_position(num_prompt_tokens, rule.hash_block_size, rule.eagle_drop, rule.lookahead)
         if last < tail < num_prompt_tokens:
             candidates.add(tail)
+    if rule.replay_alignment:
+        for p in replay_boundaries(num_prompt_tokens, rule.scheduler_block_size, rule.eagle_drop):
+            candidates.add(state_below(p, rule.replay_alignment, b))
     for j in junctions:
         if not start < j < target:
             continue  # a junction behind the start, or not reached by this chunk

@@ -1,7 +1,7 @@
 """Where DCP puts each token: the owning rank of a position, per-rank local sequence lengths,
 and the slot a position maps to given a block-table row.
 
-Layout (vLLM 0.33, reference 7.2): a sharded block id covers the *virtual block* of
+Layout (vLLM 0.33, docs/vllm-semantics.md §7.2): a sharded block id covers the *virtual block* of
 ``V = block_size * dcp`` global positions. Positions go to ranks in runs of ``interleave``
 (I) tokens, round robin; each rank stores its ``block_size`` positions of the virtual block
 in its own page of the same block id. Replicated groups (Mamba) map every position on every

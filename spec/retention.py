@@ -1,8 +1,8 @@
 """Which Mamba states stay in the prefix cache: the retention policy.
 
-A Mamba (linear-attention) state summarises exactly one prefix length and is as large as a
-whole block, so keeping every state a request passes through costs memory that attention
-blocks could use. vLLM's ``prefix_cache_retention_interval`` chooses (reference 1, 4.4):
+A Mamba (linear-attention) state summarises exactly one prefix length and is as large as a whole
+block, so keeping every state a request passes through costs memory that attention blocks could use.
+vLLM's ``prefix_cache_retention_interval`` chooses (docs/vllm-semantics.md §1, §4.4):
 
 - ``None`` (dense): every state a chunk ends on is kept;
 - ``0`` (vLLM's production default): only the states a later request is known to resume at --
@@ -11,8 +11,10 @@ blocks could use. vLLM's ``prefix_cache_retention_interval`` chooses (reference 
 - ``K > 0``: those, plus one state per K-token segment (every multiple of K).
 
 A state can be kept only where a chunk ended, so every position this policy names is also a
-stop of the chunk-split rule (``spec.chunk_split``): the replay boundary is its last checkpoint,
-the tail its tail checkpoint, a junction its junction stop.
+stop of the chunk-split rule (``spec.chunk_split``): the states at the replay boundaries are its
+replay stops (with EAGLE they are not the last checkpoint; vLLM has no such stop and keeps them
+only when a chunk happens to end there), the tail its tail checkpoint, a junction its junction
+stop.
 
 What a position means for each reachable boundary (the junction especially) is defined here
 once; ``impl/managers/mamba.py`` asks :func:`keeps_state` for every state it could key.
@@ -23,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from kvproof.spec.chunk_split import checkpoint_position
+from kvproof.spec.chunk_split import checkpoint_position, replay_boundaries, state_below
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,25 +51,6 @@ class RetentionRule:
         for name in ("block", "hash_block", "alignment", "scheduler_block"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)!r} must be positive")
-
-
-def replay_boundaries(num_prompt_tokens: int, scheduler_block: int, eagle: bool) -> tuple[int, ...]:
-    """Where a later request replaying this prompt resumes: a resend of the identical prompt is
-    capped at ``num_prompt - 1`` tokens; with EAGLE the draft needs the block above, so both a
-    resend and a longer sibling land one scheduler block lower (reference 5.4)."""
-    if not eagle:
-        return (num_prompt_tokens - 1,)
-    s = scheduler_block
-    resend = (num_prompt_tokens - 1) // s * s
-    extension = num_prompt_tokens // s * s
-    return tuple(sorted({max(resend - s, 0), max(extension - s, 0)}))
-
-
-def _block_end_below(position: int, rule: RetentionRule) -> int:
-    """The state a hit at ``position`` (at most) resumes from: the last whole block at or below
-    the largest hit length (a multiple of A) that does not pass ``position``."""
-    aligned = position // rule.alignment * rule.alignment
-    return aligned // rule.block * rule.block
 
 
 @functools.lru_cache(maxsize=4096)
@@ -107,5 +90,5 @@ def keeps_state(
             reachable.append(j)
             if rule.eagle:
                 reachable.append(j - b)
-        return any(_block_end_below(p, rule) == n for p in reachable if p > 0)
+        return any(state_below(p, rule.alignment, b) == n for p in reachable if p > 0)
     return exact_junction and n in junctions and n <= num_prompt_tokens

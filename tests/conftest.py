@@ -4,13 +4,17 @@
 ``HYPOTHESIS_PROFILE=thorough`` raises every property test and state machine to at least the
 profile's example count, also those that fix ``max_examples`` for the everyday run (Hypothesis
 itself lets such a test's own setting win over the profile); ``mutation`` (tools/mutation.py)
-caps every one at its count, derandomized, so that a mutant's verdict is repeatable.
+caps every one at its count, derandomized, so that a mutant's verdict is repeatable; ``random``
+(CI's random-seed pass, docs/testing.md) runs only the property tests and state machines, capped
+at its count, from ``--hypothesis-seed`` (or a fresh seed), and prints the seed first and, for
+each failure, the command that reproduces it.
 """
 
 from __future__ import annotations
 
 import collections
 import os
+import sys
 
 import pytest
 
@@ -26,8 +30,18 @@ settings.register_profile(
     "mutation", deadline=None, max_examples=30, derandomize=True, database=None,
     suppress_health_check=list(HealthCheck),
 )
+settings.register_profile("random", deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow])
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default")
 settings.load_profile(PROFILE)
+
+
+def is_property_test(item) -> bool:
+    """Whether ``item`` is a Hypothesis test: an ``@given`` function or a state machine's case."""
+    fn = getattr(item, "obj", None)
+    cls = getattr(item, "cls", None)
+    return (fn is not None and hasattr(fn, "_hypothesis_internal_use_settings")) or (
+        cls is not None and isinstance(getattr(cls, "settings", None), settings)
+    )
 
 
 def apply_profile(items, examples: int, at_least: bool) -> list[tuple[str, int]]:
@@ -56,13 +70,64 @@ def apply_profile(items, examples: int, at_least: bool) -> list[tuple[str, int]]
 
 
 def pytest_collection_modifyitems(config, items):
-    if PROFILE not in ("thorough", "mutation"):
+    if PROFILE == "random":
+        keep = [item for item in items if is_property_test(item)]
+        config.hook.pytest_deselected(items=[item for item in items if not is_property_test(item)])
+        items[:] = keep
+    if PROFILE not in ("thorough", "mutation", "random"):
         return
     reached = apply_profile(items, settings.get_profile(PROFILE).max_examples, at_least=PROFILE == "thorough")
     report = os.environ.get("KVPROOF_PROFILE_REPORT")
-    if report:  # tests/test_profiles.py reads which tests the profile reached
+    if report:  # tests/spec/test_contracts.py reads which tests the profile reached
         with open(report, "w") as f:
             f.writelines(f"{nodeid}\t{n}\n" for nodeid, n in reached)
+
+
+def _seed(config) -> str | None:
+    seed = config.getoption("hypothesis_seed", None)
+    return None if seed is None else str(seed)
+
+
+@pytest.hookimpl(tryfirst=True)  # before Hypothesis's plugin reads the option
+def pytest_configure(config):
+    # The random pass draws one seed for the whole run (every xdist worker gets the same one),
+    # so the command that reproduces a failure is known before anything runs.
+    if PROFILE == "random" and _seed(config) is None:
+        import secrets
+
+        # Drawn by the controller; its xdist workers, started later, inherit the variable.
+        os.environ.setdefault("KVPROOF_RANDOM_SEED", str(secrets.randbelow(2**32)))
+        config.option.hypothesis_seed = int(os.environ["KVPROOF_RANDOM_SEED"])
+
+
+def pytest_sessionstart(session):
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if PROFILE == "random" and reporter is not None:  # the controller (xdist workers have none)
+        reporter.write_line(
+            f"random-seed pass: --hypothesis-seed={_seed(session.config)} (HYPOTHESIS_PROFILE=random, at most "
+            f"{settings.default.max_examples} examples per property test)"
+        )
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if PROFILE != "random":
+        return
+    failed = [r.nodeid for r in terminalreporter.stats.get("failed", []) + terminalreporter.stats.get("error", [])]
+    for nodeid in failed:
+        terminalreporter.write_line(
+            f"reproduce: HYPOTHESIS_PROFILE=random python -m pytest -p no:cacheprovider --hypothesis-seed={_seed(config)} '{nodeid}'"
+        )
+
+
+#: ``KVPROOF_CLI``: the path of an installed ``kvproof`` command (CI sets it to the README's
+#: wheel install) that the docs' example tests run instead of this checkout's code.
+INSTALLED_CLI = os.environ.get("KVPROOF_CLI") or None
+
+
+def kvproof_command() -> list[str]:
+    """The argv prefix that runs ``kvproof``: the installed command named by ``KVPROOF_CLI``, else
+    this checkout's through the current interpreter."""
+    return [INSTALLED_CLI] if INSTALLED_CLI else [sys.executable, "-m", "kvproof.cli.main"]
 
 
 class Reach:

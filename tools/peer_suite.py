@@ -47,7 +47,7 @@ import peer_suite_models  # noqa: E402
 VLLM_VERSION = "0.33.0"
 VLLM_COMMIT = "g4ba787ec9"
 DEFAULT_FILES = ("tests/v1/core/test_scheduler.py", "tests/v1/core/test_prefix_caching.py")
-# The adapter of issue 23 (kvproof's manager as vLLM's KVCacheManager); `--manager kvproof`
+# The adapter (kvproof's manager as vLLM's KVCacheManager, not written yet); `--manager kvproof`
 # selects it once it exists.
 KVPROOF_MANAGER = "kvproof.integrations.vllm.manager_adapter:KvproofKVCacheManager"
 OUTCOMES = ("pass", "fail", "error", "skip", "xfail", "xpass", "missing")
@@ -91,13 +91,13 @@ def default_cache() -> str:
 def _commit_of(version_file: str) -> tuple[str, str]:
     scope: dict = {}
     with open(version_file, encoding="utf-8") as f:
-        exec(f.read(), scope)  # vLLM's own two-line _version.py
+        exec(f.read(), scope)  # vLLM's own two-line vllm/_version.py
     return scope["__version__"], scope["__commit_id__"]
 
 
 def _install_suite(sdist_root: str, suite: str) -> None:
     """Copies what the run needs of an unpacked sdist into ``suite``: ``tests/``, the pytest
-    configuration (vLLM's pyproject.toml: its markers) and ``_version.py``. Never vLLM's own
+    configuration (vLLM's pyproject.toml: its markers) and ``vllm/_version.py``. Never vLLM's own
     ``vllm/`` folder: pytest would put the folder above ``tests/`` on sys.path, and the sdist's
     unbuilt source would shadow the installed wheel."""
     version_file = os.path.join(sdist_root, "vllm", "_version.py")
@@ -343,7 +343,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cache", default=default_cache(), help="where the tests, tiny models and reports live")
     parser.add_argument("--refresh", action="store_true", help="fetch the sdist again")
     parser.add_argument("--manager", choices=("stock", "kvproof"), default="stock",
-                        help="the second column's manager: kvproof's adapter (issue 23)")
+                        help="the second column's manager: kvproof's adapter (not written yet)")
     parser.add_argument("--manager-class", help="module:Class, the second column's manager")
     parser.add_argument("--substitute", choices=("scheduler", "all"), default="scheduler",
                         help="where the manager is replaced: where the Scheduler builds it, or also in tests that build one")

@@ -1,5 +1,5 @@
 """Single-type managers: one per cache group, each knowing how its kind of cache is looked up,
-allocated, cached and freed. ``managers_for`` picks the class for a group kind."""
+allocated, cached and freed. ``MANAGER_FOR_KIND`` maps a group kind to its class."""
 
 from __future__ import annotations
 

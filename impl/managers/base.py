@@ -68,6 +68,10 @@ class SingleTypeManager:
     ``grow``). Verbs mutate; ``find_hit`` and the ``*_needed`` queries do not.
     """
 
+    #: Tokens below its coverage at which this group's hits end with EAGLE (the draft
+    #: recomputes them); attention sets it, the others never drop.
+    eagle_unit = 0
+
     def __init__(
         self,
         group_id: int,

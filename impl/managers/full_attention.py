@@ -31,7 +31,7 @@ class FullAttentionManager(SingleTypeManager):
         #: Key every hash boundary written (else only chunk ends); moot without partial hits.
         self._every_hash = self._probe_partial and attention_keys == "every-hash"
         #: EAGLE: the draft recomputes one hash unit (one block when hits are block-aligned).
-        self._eagle_unit = (h if self._probe_partial else b) if self.use_eagle else 0
+        self.eagle_unit = (h if self._probe_partial else b) if self.use_eagle else 0
         # request id -> (full blocks keyed, partial boundary keyed)
         self._keyed: dict[str, tuple[int, int]] = {}
 
@@ -41,7 +41,7 @@ class FullAttentionManager(SingleTypeManager):
         b, h, a = self.block_size, self.hash_block_size, self.alignment
         hashes, group = request.block_hashes, self.group_id
         hashed = len(hashes) * h
-        target = min(bound + self._eagle_unit, hashed)
+        target = min(bound + self.eagle_unit, hashed)
         lookup = self.pool.lookup
         blocks: list[int] = []
         # Whole blocks: their keys are the fine hash at each block end.
@@ -64,7 +64,7 @@ class FullAttentionManager(SingleTypeManager):
                     covered = min(n, target)
                     break
                 n -= h
-        hit = covered - self._eagle_unit if covered >= self._eagle_unit else 0
+        hit = covered - self.eagle_unit if covered >= self.eagle_unit else 0
         hit = min(hit, bound)
         hit -= hit % a
         return hit, blocks[: -(-hit // b)]

@@ -3,15 +3,15 @@ anything is written; the batch of copy-on-write copies before it runs; and, on a
 steps, the slot mappings the worker computed against ``spec.placement``.
 
 Installed by the plugin (``plugin.py``) around vLLM 0.33.0's worker classes: model runner V1's
-``MultiGroupBlockTable.add_row`` / ``append_row`` (vLLM itself checks nothing there, and bumps
-the row count before numpy raises) and model runner V2's ``BlockTables.append_block_ids``
-(which checks group by group, so an overflow in group g leaves groups < g already staged:
-reference 10.6); and ``copy_kv_cache_blocks_inplace``, which runs the step's copies as one
-gather-then-scatter, so a destination that another copy reads breaks the batch (10.1). The CPU
-staging executor calls :func:`check_copy_batch` directly. Slot mappings come from a GPU
-kernel in both model runners (V1 ``MultiGroupBlockTable.compute_slot_mapping``, V2
-``BlockTables.compute_slot_mappings``); reading them back costs a device sync, so they are
-compared on every :data:`SLOT_CHECK_EVERY`-th call (every call with ``KVPROOF_CONTRACTS=slow``).
+``MultiGroupBlockTable.add_row`` / ``append_row`` (vLLM itself checks nothing there, and bumps the
+row count before numpy raises) and model runner V2's ``BlockTables.append_block_ids`` (which checks
+group by group, so an overflow in group g leaves groups < g already staged: docs/vllm-semantics.md
+§10.6); and ``copy_kv_cache_blocks_inplace``, which runs the step's copies as one
+gather-then-scatter, so a destination that another copy reads breaks the batch (§10.1). The CPU
+staging executor calls :func:`check_copy_batch` directly. Slot mappings come from a GPU kernel in
+both model runners (V1 ``MultiGroupBlockTable.compute_slot_mapping``, V2
+``BlockTables.compute_slot_mappings``); reading them back costs a device sync, so they are compared
+on every :data:`SLOT_CHECK_EVERY`-th call (every call with ``KVPROOF_CONTRACTS=slow``).
 """
 
 from __future__ import annotations

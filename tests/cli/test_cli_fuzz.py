@@ -1,7 +1,7 @@
-"""A fuzzer for the ``kvproof`` command (issues 12 and 21, "keep it that way"): Hypothesis draws
-argument lists for every subcommand (geometry, replay, plan, prove, e2e), trace bytes, small sizes,
-where stdout goes (a reader, a reader that leaves early, closed, a full device) and how the trace
-arrives (a file, a pipe on /dev/stdin, a FIFO, ``<(...)``), and every run must
+"""A fuzzer for the ``kvproof`` command: Hypothesis draws argument lists for every subcommand
+(geometry, replay, plan, prove, e2e), trace bytes, small sizes, where stdout goes (a reader, a
+reader that leaves early, closed, a full device) and how the trace arrives (a file, a pipe on
+/dev/stdin, a FIFO, ``<(...)``), and every run must
 
 - end with status 0, 1 or 2 -- never a traceback, never an internal error (70); with stdout
   closed or full, the status of the same run into a reader, except that 0 becomes 74 and one

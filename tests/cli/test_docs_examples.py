@@ -1,14 +1,20 @@
-"""Every ``console`` example in docs/*.md and README.md is a command whose output matches."""
+"""Every ``console`` example in docs/*.md and README.md is a command whose output matches: run
+in process, or, with ``KVPROOF_CLI`` set (CI: the wheel the README's first command installs),
+through that installed command."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import shlex
+import subprocess
 
 import pytest
 
 from kvproof.cli.main import main
+
+from ..conftest import INSTALLED_CLI
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"```console\n(.*?)```", re.S)
@@ -26,5 +32,11 @@ def _examples():
 def test_doc_example_output(capsys, monkeypatch, command, expected):
     monkeypatch.chdir(ROOT)  # examples name files relative to the repository root
     argv = shlex.split(command)[1:]
+    if INSTALLED_CLI:
+        done = subprocess.run([INSTALLED_CLI, *argv], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                              env={**os.environ, "ICONTRACT_SLOW": "0"})
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == expected
+        return
     assert main(argv) == 0
     assert capsys.readouterr().out == expected

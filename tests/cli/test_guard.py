@@ -134,7 +134,7 @@ def test_out_of_memory_is_bad_input(capsys, monkeypatch):
     assert _run(capsys, ["geometry"]) == (2, "", "kvproof geometry: error: out of memory: the input is too large for this machine\n")
 
 
-# --- output that cannot be written (issue 21) ---------------------------------------------------
+# --- output that cannot be written --------------------------------------------------------------
 
 _SMALL_TRACE = '{"id": "a", "prompt": [1, 2, 3]}\n'
 

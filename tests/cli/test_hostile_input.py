@@ -1,4 +1,4 @@
-"""Hostile or careless input (issue 12): every case ends with status 2 and one line on stderr that
+"""Hostile or careless input: every case ends with status 2 and one line on stderr that
 names the value, before any work; decided cases that are accepted say so."""
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ _NOT_A_NUMBER = ["\u0661\u0666", "\uff11\uff16", "1_6", "+16", " 16", "1e3", "in
 
 
 def test_every_numeric_flag_of_every_command_goes_through_one_parser():
-    """No command parses a number with int() or float() (issue 21: plan's flags did)."""
+    """No command parses a number with int() or float() (plan's flags once did)."""
     for command, sub in build_parser().get_default("command_parsers").items():
         for action in sub._actions:
             assert action.type not in (int, float), (command, action.option_strings)
@@ -238,7 +238,7 @@ def test_an_id_that_would_break_lines_stays_on_one_line(capsys, tmp_path):
     assert_bad_input(capsys, ["replay", str(path), *SMALL], "duplicate request id 'a\\nb'")
 
 
-# --- smaller edges (issue 21, item 8) ------------------------------------------------------------
+# --- smaller edges -------------------------------------------------------------------------------
 
 
 def test_ids_a_terminal_would_act_on_are_escaped_in_tables(capsys, tmp_path):

@@ -56,7 +56,7 @@ def test_available_memory_is_known_on_linux():
 
 
 def test_a_request_the_pool_can_never_hold_is_refused_before_any_step(capsys, tmp_path, monkeypatch):
-    """Issue 12 item 11: a 100k-token prompt with a 16-token budget was refused only after every
+    """A 100k-token prompt with a 16-token budget was refused only after every
     chunk up to the pool's end had run (37 s); now before the replay starts."""
     import kvproof.impl.replay
 

@@ -1,4 +1,4 @@
-"""``kvproof e2e`` under hostile input (issue 12): sizes the machine cannot hold, ids torch cannot
+"""``kvproof e2e`` under hostile input: sizes the machine cannot hold, ids torch cannot
 take, arrivals far away and runs longer than the step limit -- one line, status 2, before any rank
 starts; what is valid runs."""
 
@@ -95,7 +95,7 @@ def test_the_largest_token_and_seed_run(capsys, tmp_path):
 
 
 def test_a_far_arrival_costs_one_step_not_millions(capsys, tmp_path):
-    """Idle steps before an arrival are skipped (issue 12 item 4, e2e side)."""
+    """Idle steps before an arrival are skipped (the e2e side of replay's idle-step skipping)."""
     path = write(tmp_path, {"id": "a", "prompt": [1, 2, 3], "output": [4]},
                  {"id": "late", "prompt": [1, 2, 3, 9], "output": [5, 6], "arrival": 2_000_000})
     assert main(["e2e", path, *HYBRID, "--json"]) == 0

@@ -1,4 +1,4 @@
-"""Processes and files of ``kvproof e2e`` (issue 12): killed in any way, it leaves no rank and no
+"""Processes and files of ``kvproof e2e``: killed in any way, it leaves no rank and no
 file behind; a rank that dies is named; errors are one line whatever the ranks print."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Admission never refuses a request that fits: a hit whose copy-on-write (or whose evictable
-blocks) cost more than the pool has falls back to a cheaper hit (issue 12, item 6)."""
+blocks) cost more than the pool has falls back to a cheaper hit."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Keys at every hash boundary of an attention block (``LayoutConfig.attention_keys``, issue 15):
+"""Keys at every hash boundary of an attention block (``LayoutConfig.attention_keys``):
 a request diverging anywhere inside a block reuses up to its last common hash unit, on every
 DCP rank; the old rule (``chunk-ends``) stays for comparison. The contracts INV-KEYS-EVERY-HASH
 and INV-KEYS-PER-BLOCK each made to fire."""

@@ -26,7 +26,7 @@ def snapshot(pool: BlockPool):
     )
 
 
-# --- reference 9.2, pool level ------------------------------------------------------------------
+# --- docs/vllm-semantics.md §9.2, pool level ------------------------------------------------------
 
 
 def test_boundary_hashes_reuse_fine_grained_chain():
@@ -203,7 +203,7 @@ def test_mamba_partial_tail_registers_unless_superseded():
     assert pool.lookup(key_at(fine, 12, H, 1)) is None
 
 
-# --- free-queue order (reference 3.2) -----------------------------------------------------------
+# --- free-queue order (docs/vllm-semantics.md §3.2) -----------------------------------------------
 
 
 def test_free_prepends_uncached_as_a_batch_and_appends_cached():

@@ -1,5 +1,6 @@
 """The hybrid coordinator through the KV-cache-manager facade: vLLM's partial-hit scenarios
-(reference 9.1, with kvproof's semantics where 0.33.0 is wrong) and each contract firing."""
+(docs/vllm-semantics.md §9.1, with kvproof's semantics where 0.33.0 is wrong) and each contract
+firing."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ FA, MAMBA, SWA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA, GroupKind.SLIDING_WI
 
 
 def make_kv(groups, dcp=1, hash_block_size=None, num_blocks=64, eagle=False, partial=True, retention=None):
-    """Dense retention unless asked (these scenarios key every chunk end, as reference 9.1's
-    one-shot producers assume); retention 0 has scenarios of its own below."""
+    """Dense retention unless asked (these scenarios key every chunk end, as docs/vllm-semantics.md
+    §9.1's one-shot producers assume); retention 0 has scenarios of its own below."""
     layout = resolve_layout(LayoutConfig(tuple(groups), dcp=dcp, max_model_len=4096, hash_block_size=hash_block_size,
                                          allow_partial_hash_hits=partial, retention_interval=retention))
     return KVCacheManager(layout, num_blocks, use_eagle=eagle)
@@ -59,7 +60,7 @@ def req(rid, tokens, kv, salt=None):
     return Request(rid, tokens, kv.layout.hash_block_size, cache_salt=salt)
 
 
-# --- reference 9.1: partial hits under DCP -------------------------------------------------------
+# --- docs/vllm-semantics.md §9.1: partial hits under DCP ------------------------------------------
 
 @pytest.mark.parametrize("dcp", [1, 2])
 def test_k3_prime_then_replay_hits_256(dcp):
@@ -211,8 +212,8 @@ def test_table_width_checked_for_every_group_before_any_write():
 
 
 def test_cow_source_ready_fires_when_keys_are_added_before_the_forward_pass():
-    """vLLM 0.33's ordering (reference 10.1): keys registered inside allocate, before the
-    forward pass, let a same-step request copy a block the forward has not written yet."""
+    """vLLM 0.33's ordering (docs/vllm-semantics.md §10.1): keys registered inside allocate, before
+    the forward pass, let a same-step request copy a block the forward has not written yet."""
     kv = make_kv([CacheGroup(FA, 4), CacheGroup(MAMBA, 4)], hash_block_size=2)
     producer = req("p", [1, 2, 3, 4, 5, 6, 7], kv)
     kv.begin_step()

@@ -1,5 +1,5 @@
-"""Shared-prefix junctions and Mamba state retention through the scheduler (issue 10's example
-and each retention interval)."""
+"""Shared-prefix junctions and Mamba state retention through the scheduler (docs/coordinator.md's
+junction example and each retention interval)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def cached(trace, lay, budget=2048):
 
 
 def issue_trace():
-    """Issue 10: A (159 tokens), then B (135, sharing 122 with A), then C (143, sharing 122)."""
+    """docs/coordinator.md's junction example: A (159 tokens), then B (135, sharing 122 with A),
+    then C (143, sharing 122)."""
     shared = tuple(range(1000, 1122))
     a = shared + tuple(range(2000, 2037))
     b = shared + tuple(range(3000, 3013))

@@ -98,7 +98,8 @@ def test_overflow_message_names_request_group_and_numbers() -> None:
 
 
 def test_rejection_is_atomic_across_groups() -> None:
-    # vLLM 0.33 (reference 10.6) staged group 0 and advanced its count before group 1 overflowed.
+    # vLLM 0.33 (docs/vllm-semantics.md §10.6) staged group 0 and advanced its count before group 1
+    # overflowed.
     bt = BlockTables([TableGroup(4, 16, True), TableGroup(2, 16, False)], 1)
     bt.append_block_ids(0, [[1], [2]], overwrite=True)
     bt.apply_staged_writes()
@@ -135,8 +136,9 @@ def test_widths_come_from_the_geometry_spec() -> None:
         dcp=8, max_model_len=262_144,
     ))
     bt = BlockTables.from_layout(layout, 1)
-    # Reference 6.3: FA bs 16 under DCP 8 -> cdiv(262144, 128) = 2048 (already a multiple of
-    # the entry alignment); Mamba bs 64 align, 3 speculative -> 4096 + 3, never divided by DCP.
+    # docs/vllm-semantics.md §6.3: FA bs 16 under DCP 8 -> cdiv(262144, 128) = 2048 (already a
+    # multiple of the entry alignment); Mamba bs 64 align, 3 speculative -> 4096 + 3, never divided
+    # by DCP.
     assert bt.widths == (2048, 4099)
     for gl, w in zip(layout.groups, bt.widths):
         assert w >= max_num_blocks_per_req(gl.group, 8, 262_144)  # INV-TABLE-WIDTH

@@ -185,7 +185,7 @@ def test_kernel_matches_spec(case: Case, data) -> None:
     ],
 )
 def test_reference_worked_examples(interleave: int, rank: int, expected: list[int]) -> None:
-    # Reference 7.2: table [5, 9, 2], block size 4, DCP 2, positions 0..15.
+    # docs/vllm-semantics.md §7.2: table [5, 9, 2], block size 4, DCP 2, positions 0..15.
     tables = PackedTables.zeros([3], 1)
     tables.group(0)[0] = torch.tensor([5, 9, 2], dtype=torch.int32)
     case = Case(tables, [4], [True], [0], [0, 16], list(range(16)), 16, 2, interleave)

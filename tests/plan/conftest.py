@@ -9,15 +9,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
+
+from ..conftest import kvproof_command
 
 
 def plan_cli(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "ICONTRACT_SLOW": "0"}
     return subprocess.run(
-        [sys.executable, "-m", "kvproof.cli.main", "plan", *argv], capture_output=True, text=True, env=env, timeout=timeout,
+        [*kvproof_command(), "plan", *argv], capture_output=True, text=True, env=env, timeout=timeout,
     )
 
 

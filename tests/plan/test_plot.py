@@ -13,7 +13,8 @@ pytest.importorskip("matplotlib")
 
 from kvproof import leftovers  # noqa: E402
 from kvproof.cli.main import main  # noqa: E402
-from kvproof.planner.plot import MISSING, TEMP_PREFIX, build_figure, save_plot  # noqa: E402
+from kvproof.extras import message  # noqa: E402
+from kvproof.planner.plot import TEMP_PREFIX, build_figure, save_plot  # noqa: E402
 from kvproof.planner.run import ConfigReport  # noqa: E402
 
 
@@ -94,7 +95,7 @@ def test_missing_matplotlib_is_one_line(capsys, monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     assert main(["plan", "--plot", "x.png", "--no-progress"]) == 2
-    assert capsys.readouterr().err == f"kvproof plan: error: {MISSING}\n"
+    assert capsys.readouterr().err == f"kvproof plan: error: {message('plot', '--plot')}\n"
 
 
 def test_sweep_draws_one_line_per_dcp_and_eviction_policy():

@@ -106,7 +106,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not pathlib.Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=lambda s: s.name)
 def test_a_killed_prove_leaves_no_crosshair_process(sig):
-    """issue 12: `kvproof prove` killed must not leave its CrossHair subprocess running."""
+    """`kvproof prove` killed must not leave its CrossHair subprocess running."""
     parent = subprocess.Popen(
         [sys.executable, "-m", "kvproof.cli.main", "prove", "--only", "CH-PLACEMENT"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -201,7 +201,7 @@ TWO_BUDGETS = ["--only", "LEM-CDIV", "--only", "LEM-OWNER-UNIQUE", "--only", "EX
 
 
 def test_verdicts_do_not_depend_on_the_budget():
-    """issue 11: the same obligations at the default budget and at four times it give the same
+    """The same obligations at the default budget and at four times it give the same
     verdicts (each checker's effort is fixed; the budget is only a deadline)."""
     from kvproof.proofs.runner import DEFAULT_BUDGET
 

@@ -1,7 +1,9 @@
-"""The Mamba chunk-split rule: vLLM's scheduler-split scenarios (reference 9.1), the
-shared-prefix junction stop (reference 5.4), properties, and contracts that fire."""
+"""The Mamba chunk-split rule: vLLM's scheduler-split scenarios (docs/vllm-semantics.md §9.1), the
+shared-prefix junction stop (docs/vllm-semantics.md §5.4), properties, and contracts that fire."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import icontract
 import pytest
@@ -48,9 +50,10 @@ def test_eagle_stops_below_proof_boundary(prompt, eagle, expected):
 
 
 def test_issue_junction_example_stops_at_the_block_below_the_junction():
-    """Issue 10: B (135 tokens) shares 122 with A; attention reaches 120 (H 4) but no Mamba state
-    does: the first chunk ends at the last Mamba block boundary below the junction (or exactly
-    at it with ``shared_prefix_checkpoint``), so a sibling C sharing 122 finds a state there."""
+    """docs/coordinator.md's junction example: B (135 tokens) shares 122 with A; attention reaches
+    120 (H 4) but no Mamba state does: the first chunk ends at the last Mamba block boundary below
+    the junction (or exactly at it with ``shared_prefix_checkpoint``), so a sibling C sharing 122
+    finds a state there."""
     assert chunks(0, 135, 135, 8, 4, 2048, partial=True, junctions=(120,)) == [120, 8, 4, 3]
     assert chunks(0, 135, 135, 8, 4, 2048, partial=True, junctions=(122,)) == [120, 8, 4, 3]
     assert chunks(0, 135, 135, 8, 4, 2048, partial=True, junctions=(122,), exact=True) == [122, 6, 4, 3]
@@ -89,18 +92,28 @@ def split_inputs(draw):
     max_prefill = draw(st.sampled_from([1, 7, 64, 512, 2048]))
     num_new = min(num_tokens - start, draw(st.integers(1, max_prefill)))
     junctions = tuple(sorted(draw(st.sets(st.integers(0, num_tokens - 1), max_size=2))))
+    # Replay stops (sparse retention): S a multiple of the Mamba block, A either H or S.
+    s = bsm * draw(st.sampled_from([1, 2, 8]))
+    replay = draw(st.sampled_from([(0, 0), (s, h), (s, s)]))
     rule = SplitRule(bsm, h, max_prefill, partial_tail=draw(st.booleans()), eagle_drop=draw(st.booleans()),
-                     lookahead=draw(st.sampled_from([0, 0, 1, 3])), shared_prefix_checkpoint=draw(st.booleans()))
+                     lookahead=draw(st.sampled_from([0, 0, 1, 3])), shared_prefix_checkpoint=draw(st.booleans()),
+                     scheduler_block_size=replay[0], replay_alignment=replay[1])
     return rule, start, num_new, num_tokens, num_prompt, junctions
 
 
 @settings(max_examples=1500, **REACH_SETTINGS)
 @given(split_inputs())
 def test_hot_path_rule_matches_the_spec(reach, args):
-    reach.minimums = {"waits": 30, "stops": 30, "whole": 30}
+    reach.minimums = {"waits": 30, "stops": 30, "whole": 30, "replay stop": 10}
     rule, start, num_new, num_tokens, num_prompt, junctions = args
     ours = chunk_end(rule, start, num_new, num_tokens, num_prompt, junctions)
     reach("waits" if ours == start else "stops" if ours < start + num_new else "whole")
+    if rule.replay_alignment:
+        with_replay = stops(rule, start, start + num_new + 1, num_tokens, num_prompt, junctions)
+        without = stops(dataclasses.replace(rule, scheduler_block_size=0, replay_alignment=0), start,
+                        start + num_new + 1, num_tokens, num_prompt, junctions)
+        if ours in set(with_replay) - set(without):
+            reach("replay stop")
     assert ChunkSplitter(rule).end(start, num_new, num_tokens, num_prompt, junctions) == ours
 
 
@@ -216,3 +229,23 @@ def test_every_bad_rule_field_is_named(kwargs, message):
 ])
 def test_worked_chunk_ends(rule, start, num_new, num_tokens, num_prompt, junctions, end):
     assert chunk_end(rule, start, num_new, num_tokens, num_prompt, junctions) == end
+
+
+@pytest.mark.parametrize("retention_stops, ends", [(False, [2304, 4352, 6400, 8448, 9984, 10_240]),
+                                                   (True, [2304, 4352, 6144, 8192, 9984, 10_240])])
+def test_with_eagle_a_chunk_stops_at_the_replay_boundary_retention_keeps(retention_stops, ends):
+    """Mooncake-like: MLA 256 at DCP 8 (S = 2048) + Mamba 256, H 256, EAGLE, budget 2048, a
+    10,240-token prompt resuming after a 256-token hit (the chunk ends are listed). Its replay
+    boundaries are 6,144 and 8,192 (one scheduler block below the prompt's multiples of S): with
+    retention 0 the states kept there must exist, but chunks of 2,048 from 256 end at 2,304,
+    4,352, ... -- never there. vLLM has those states only when its chunks start on the S grid;
+    kvproof stops at them."""
+    s = 2048 if retention_stops else 0
+    rule = SplitRule(256, 256, 2048, partial_tail=False, eagle_drop=True, scheduler_block_size=s,
+                     replay_alignment=256 if retention_stops else 0)
+    got, start = [], 256
+    while start < 10_240:
+        start = chunk_end(rule, start, min(2048, 10_240 - start), 10_240, 10_240)
+        got.append(start)
+    assert got == ends
+    assert ChunkSplitter(rule).end(4352, 2048, 10_240, 10_240) == (6144 if retention_stops else 6400)

@@ -119,10 +119,14 @@ def test_the_thorough_profile_reaches_every_property_test(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     reached = dict(line.split("\t") for line in report.read_text().splitlines())
+    # Declared in the modules that were collected: one skipped as a whole (tests/vllm without
+    # vLLM) declares nothing this run can reach, whatever is installed.
+    collected = {line.split("::", 1)[0] for line in proc.stdout.splitlines() if "::" in line}
     declared = sum(
         p.read_text().count("@given(") + p.read_text().count("(RuleBasedStateMachine)")
         for p in (ROOT / "tests").rglob("test_*.py")
         if p.name != "test_contracts.py"  # this file names both in its text
+        and p.relative_to(ROOT).as_posix() in collected
     )
     assert len(reached) >= declared >= 20, (len(reached), declared)
     assert all(int(n) >= 2000 for n in reached.values()), reached

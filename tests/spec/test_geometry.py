@@ -1,5 +1,5 @@
-"""Geometry rules: worked examples from the reference (section 6.3 and the section 1
-derivation table) and properties over wide ranges."""
+"""Geometry rules: worked examples (docs/vllm-semantics.md §6.3 and §1's derivation table) and
+properties over wide ranges."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from kvproof.spec.placement import table_index
 FA, MLA, SWA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MLA, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 
 
-# --- worked examples: reference section 6.3 -------------------------------------------------
+# --- worked examples: docs/vllm-semantics.md §6.3 -------------------------------------------------
 
 @pytest.mark.parametrize(
     "group, dcp, max_len, blocks, width",
@@ -137,8 +137,9 @@ def test_single_group_hash_must_equal_block_unless_it_is_append_only_attention()
 
 @pytest.mark.parametrize("kind", [FA, MLA])
 def test_lone_attention_group_hashed_finer_than_its_block_hits_inside_blocks(kind):
-    """Issue 15: MLA 256 under DCP 8 spans 2,048 tokens per block; hashed every 256 tokens its
-    hits land on multiples of 256 (append-only KV), not of 2,048. Derived H stays the block."""
+    """Keys inside a block under DCP: MLA 256 under DCP 8 spans 2,048 tokens per block; hashed every
+    256 tokens its hits land on multiples of 256 (append-only KV), not of 2,048. Derived H stays the
+    block."""
     groups = (CacheGroup(kind, 256),)
     assert hash_block_size(groups, 8) == 2048 and not partial_hash_hits(groups, 8, 2048).enabled
     assert hash_block_size(groups, 8, 256) == 256

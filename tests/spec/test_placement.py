@@ -1,4 +1,4 @@
-"""DCP token placement: worked examples (reference 7.2) and per-rank properties."""
+"""DCP token placement: worked examples (docs/vllm-semantics.md §7.2) and per-rank properties."""
 
 from __future__ import annotations
 

@@ -154,7 +154,7 @@ def test_the_agreement_run_reaches_the_hard_cases():
     assert AGREEMENT_COUNTS.get("violation", 0) >= 3, AGREEMENT_COUNTS
 
 
-# --- vLLM 0.33.0's copy-on-write hazard (reference 10.1) ---------------------------------------------
+# --- vLLM 0.33.0's copy-on-write hazard (docs/vllm-semantics.md §10.1) ----------------------------
 
 COW_LAYOUT = dict(groups=[CacheGroup(FA, 4), CacheGroup(MAMBA, 4)], hash_block_size=2, max_model_len=256)
 
@@ -210,7 +210,7 @@ def test_the_content_oracle_sees_the_same_hazard_and_vllm_alone_does_not():
 # --- start-up geometry ------------------------------------------------------------------------------
 
 def _pre_fix_width(self, vllm_config, max_model_len):
-    """The old rule: every group's row divided by DCP (reference 6.3, example 2)."""
+    """The old rule: every group's row divided by DCP (docs/vllm-semantics.md §6.3, example 2)."""
     dcp = vllm_config.parallel_config.decode_context_parallel_size
     return cdiv(max_model_len, self.block_size * dcp)
 

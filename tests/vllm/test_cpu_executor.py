@@ -214,7 +214,7 @@ def test_unchecked_vllm_serves_the_hazard_without_a_word(monkeypatch):
     assert any(m.startswith("INV-CONTENT-KV: step 4, request 'r1-") for m in oracle.messages)
 
 
-# --- the staged GPU memory (issue 21, item 11) ---------------------------------------------------
+# --- the staged GPU memory -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("text, size", [("", 80 << 30), ("80GiB", 80 << 30), ("141GB", 141 * 10**9), ("1.5 GiB", 3 << 29),

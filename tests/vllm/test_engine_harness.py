@@ -1,5 +1,5 @@
 """The hand-driven vLLM 0.33.0 Scheduler (kvproof.integrations.vllm.engine_harness) on scenarios
-whose answers are known from the reference (vllm-0.33-kv-semantics.md) or from vLLM's own
+whose answers are known from docs/vllm-semantics.md or from vLLM's own
 manager driven by benchmarks/vllm_baseline.py."""
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ def chunk_sizes(result, rid):
     return [n for step in result.steps for r, _, n in step.chunks if r == rid]
 
 
-# --- known answers from the reference ------------------------------------------------------------
+# --- known answers (docs/vllm-semantics.md) -------------------------------------------------------
 
 @pytest.mark.parametrize("dcp", [1, 2])
 def test_k3_prime_then_replay_hits_256(dcp):
-    """Reference 5.1: FA 256 + Mamba 256; a prime of 256+1 tokens (budget 256: chunks [256, 1]),
-    then a replay of the same 256 tokens + 2 hits 256 -- under DCP 2 inside the 512-token
+    """docs/vllm-semantics.md §5.1: FA 256 + Mamba 256; a prime of 256+1 tokens (budget 256: chunks
+    [256, 1]), then a replay of the same 256 tokens + 2 hits 256 -- under DCP 2 inside the 512-token
     attention block, with one copy-on-write."""
     layout = layout_for([CacheGroup(FA, 256), CacheGroup(MAMBA, 256)], dcp)
     shared = tuple(range(1000, 1256))
@@ -59,8 +59,9 @@ def test_k3_prime_then_replay_hits_256(dcp):
 
 @pytest.mark.parametrize("dcp", [1, 4])
 def test_partial_tail_chunk_schedule(dcp):
-    """Reference 9.1 test_mamba_align_split_partial_tail_schedule: block 512, H 32, a 10,000-token
-    prompt under a budget of 8,192 is scheduled as 8192, 1536, 256, 16 (then one decode)."""
+    """docs/vllm-semantics.md §9.1 test_mamba_align_split_partial_tail_schedule: block 512, H 32, a
+    10,000-token prompt under a budget of 8,192 is scheduled as 8192, 1536, 256, 16 (then one
+    decode)."""
     layout = layout_for([CacheGroup(FA, 512), CacheGroup(MAMBA, 512)], dcp, hash_block_size=32, max_model_len=16384)
     result = EngineHarness(layout, 64, max_num_batched_tokens=8192).run(
         [TraceRequest("r", tuple(range(10_000)), (1, 2), arrival=1)])
@@ -68,9 +69,9 @@ def test_partial_tail_chunk_schedule(dcp):
 
 
 def test_long_prefill_threshold_splits_below_the_block():
-    """Reference 9.1 test_mamba_align_split_when_block_exceeds_long_prefill_threshold: block 512,
-    threshold 384, prompt 1300 -> [384, 128, 384, 128, 276]. vLLM applies the threshold only
-    while another request is eligible, so a long-decoding neighbour runs alongside."""
+    """docs/vllm-semantics.md §9.1 test_mamba_align_split_when_block_exceeds_long_prefill_threshold:
+    block 512, threshold 384, prompt 1300 -> [384, 128, 384, 128, 276]. vLLM applies the threshold
+    only while another request is eligible, so a long-decoding neighbour runs alongside."""
     layout = layout_for([CacheGroup(FA, 512), CacheGroup(MAMBA, 512)])
     trace = [TraceRequest("long", tuple(range(1300)), (1,), arrival=1),
              TraceRequest("other", (5000,), tuple(range(10)), arrival=1)]
@@ -82,9 +83,9 @@ def test_long_prefill_threshold_splits_below_the_block():
 
 @pytest.mark.parametrize("eagle, chunks, hit", [(True, [4, 5], 4), (False, [8, 1], 8)])
 def test_eagle_block_drop(eagle, chunks, hit):
-    """Reference 9.1 test_mamba_coarse_checkpoint_retained_below_eagle_proof_boundary: H = B = 4,
-    retention 0, EAGLE: [7]*9 is split [4, 5], block 0 is retained, a 13-token request hits 4.
-    Without the drop the split is the plain block-aligned one and the hit is 8."""
+    """docs/vllm-semantics.md §9.1 test_mamba_coarse_checkpoint_retained_below_eagle_proof_boundary:
+    H = B = 4, retention 0, EAGLE: [7]*9 is split [4, 5], block 0 is retained, a 13-token request
+    hits 4. Without the drop the split is the plain block-aligned one and the hit is 8."""
     layout = layout_for([CacheGroup(FA, 4), CacheGroup(MAMBA, 4)], retention_interval=0)
     trace = [TraceRequest("p", (7,) * 9, (1,), arrival=1), TraceRequest("c", (7,) * 13, (1,), arrival=10)]
     result = EngineHarness(layout, 64, max_num_batched_tokens=8192, use_eagle=eagle).run(trace)
@@ -93,8 +94,8 @@ def test_eagle_block_drop(eagle, chunks, hit):
 
 
 def test_eagle_under_dcp_rewinds_one_hash_unit():
-    """Reference 9.1 test_dcp_partial_hit_with_eagle_rewinds_one_hash_unit: DCP 2, FA 4, Mamba 4,
-    H 2, EAGLE; the producer [7]*6 is split [4, 2]; a replay of 8 tokens hits 4."""
+    """docs/vllm-semantics.md §9.1 test_dcp_partial_hit_with_eagle_rewinds_one_hash_unit: DCP 2, FA
+    4, Mamba 4, H 2, EAGLE; the producer [7]*6 is split [4, 2]; a replay of 8 tokens hits 4."""
     layout = layout_for([CacheGroup(FA, 4), CacheGroup(MAMBA, 4)], dcp=2, hash_block_size=2)
     trace = [TraceRequest("p", (7,) * 6, (1,), arrival=1), TraceRequest("c", (7,) * 8, (1,), arrival=10)]
     result = EngineHarness(layout, 64, max_num_batched_tokens=8192, use_eagle=True).run(trace)
@@ -104,9 +105,9 @@ def test_eagle_under_dcp_rewinds_one_hash_unit():
 
 @pytest.mark.parametrize("lookahead, hit", [(0, 32), (1, 16)])
 def test_lookahead_hashes_cover_the_next_token(lookahead, hit):
-    """Reference 2.2: with L lookahead tokens, a block's hash also covers the L tokens after it.
-    A 32-token prompt's second block is hashed together with its first output; a sibling that
-    shares the 32 tokens but continues differently then hits only the first block."""
+    """docs/vllm-semantics.md §2.2: with L lookahead tokens, a block's hash also covers the L tokens
+    after it. A 32-token prompt's second block is hashed together with its first output; a sibling
+    that shares the 32 tokens but continues differently then hits only the first block."""
     layout = layout_for([CacheGroup(FA, 16)])
     trace = [TraceRequest("p", tuple(range(32)), (100, 101), arrival=1),
              TraceRequest("s", tuple(range(32)) + (7, 8, 9), (1,), arrival=10)]
@@ -115,9 +116,9 @@ def test_lookahead_hashes_cover_the_next_token(lookahead, hit):
 
 
 def test_shared_prefix_junction_is_checkpointed():
-    """Issue 10's measured example (FA 8 + Mamba 8, H 4, DCP 2): A (159 tokens), then B (135, 122
-    shared): vLLM ends B's first chunk at the block-floored junction 112 and caches the Mamba
-    state there; C (143, 122 shared) then hits 112."""
+    """docs/coordinator.md's junction example (FA 8 + Mamba 8, H 4, DCP 2): A (159 tokens), then B
+    (135, 122 shared): vLLM ends B's first chunk at the block-floored junction 112 and caches the
+    Mamba state there; C (143, 122 shared) then hits 112."""
     layout = layout_for([CacheGroup(FA, 8), CacheGroup(MAMBA, 8)], dcp=2, hash_block_size=4)
     rng = random.Random(0)
     shared = tuple(rng.randrange(1000) for _ in range(122))

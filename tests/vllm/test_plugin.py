@@ -70,9 +70,9 @@ def _v1_tables(widths):
 
 @pytest.mark.parametrize("action", ["raise", "log"])
 def test_v1_row_overflow_is_refused_before_any_group_is_written(action):
-    """vLLM's V1 table bumps the row count, then numpy raises (reference 10.6); checked, the
-    write is refused first and nothing changes -- in log mode too: a write past a row is always
-    fatal (on a GPU it corrupts memory)."""
+    """vLLM's V1 table bumps the row count, then numpy raises (docs/vllm-semantics.md §10.6);
+    checked, the write is refused first and nothing changes -- in log mode too: a write past a
+    row is always fatal (on a GPU it corrupts memory)."""
     tables = _v1_tables([8, 4])
     tables.add_row(([1, 2, 3], [4, 5, 6]), 0)
     append = worker_checks.checked_v1_append_row(MultiGroupBlockTable.append_row, ViolationSink(action))

@@ -83,8 +83,9 @@ def admit(kv, req, n):
 
 
 def k3(kind, dcp):
-    """Reference 5.1: FA 256 + Mamba 256; prime 256+1 tokens in chunks [256, 1], then a replay
-    of 256+2 tokens hits 256 (under DCP 2 inside the 512-token attention block: one copy)."""
+    """docs/vllm-semantics.md §5.1: FA 256 + Mamba 256; prime 256+1 tokens in chunks [256, 1], then
+    a replay of 256+2 tokens hits 256 (under DCP 2 inside the 512-token attention block: one
+    copy)."""
     layout = layout_for([CacheGroup(FA, 256), CacheGroup(MAMBA, 256)], dcp)
     kv = MANAGERS[kind](layout, 32)
     shared = list(range(1000, 1256))
@@ -101,7 +102,8 @@ def test_k3_protocol_hits_256_in_both(dcp):
 
 
 def test_adapter_layout_matches_vllm_rule_for_k3():
-    """kvproof's derived partial-hit rule and alignment are vLLM's own for K3 (reference 1)."""
+    """kvproof's derived partial-hit rule and alignment are vLLM's own for K3
+    (docs/vllm-semantics.md §1)."""
     for dcp, partial in [(1, False), (2, True)]:
         kv = vb.VllmManagerAdapter(layout_for([CacheGroup(FA, 256), CacheGroup(MAMBA, 256)], dcp), 32)
         assert kv.disagreements == []

@@ -64,9 +64,10 @@ def name_difference(rid, vllm_hit, ours, trace, junctions, layout):
     """The rule behind vLLM caching more than kvproof for ``rid``, or None. Two are known:
 
     * vLLM's hit is the state of an earlier request whose first chunk vLLM stopped at its
-      shared-prefix junction (block-floored): a checkpoint kvproof does not take yet (issue 10);
+      shared-prefix junction (block-floored): a checkpoint kvproof does not take yet;
     * vLLM's hit is an earlier request's prompt-tail partial key, which vLLM keeps as an alias
-      after the block fills up (reference 10.2) and kvproof retires (docs/coordinator.md).
+      after the block fills up (docs/vllm-semantics.md §10.2) and kvproof retires
+      (docs/coordinator.md).
     """
     index = [t.id for t in trace].index(rid)
     prompt = trace[index].prompt

@@ -1,18 +1,17 @@
-"""Staging inside a real ``vllm serve`` (issue 21, items 10-14), with faults seeded into vLLM's own
-code through a second general plugin (``serving.fault_plugin_dir``). Two servers, each checked
-for several items at once: every start costs tens of seconds.
+"""Staging inside a real ``vllm serve`` (docs/vllm.md, "When kvproof stops vLLM"), with faults
+seeded into vLLM's own code through a second general plugin (``serving.fault_plugin_dir``). Two
+servers, each checked for several behaviours at once: every start costs tens of seconds.
 
 * the seed bug (vLLM's old block-table width, every group divided by DCP) refused at start: the
-  output ends with one ``kvproof:`` line naming INV-TABLE-WIDTH and the fix, status 1 (item 14);
+  output ends with one ``kvproof:`` line naming INV-TABLE-WIDTH and the fix, status 1;
 * log mode, the seed bug and a leaked block, no ``--num-gpu-blocks-override`` and no
-  PROMETHEUS_MULTIPROC_DIR: the executor stages a stated GPU memory (item 11); a warning says
-  the counters cannot reach /metrics, which shows none rather than zeros (item 12); the leak is
-  reported once with a running count, naming the request that last held the block (item 13);
-  a request longer than the narrow row stops the engine with INV-TABLE-WRITE-BOUND although
-  the mode is log, before the write (item 10); ``vllm serve`` exits 1 and its output ends with
-  the kvproof line (item 14).
+  PROMETHEUS_MULTIPROC_DIR: the executor stages a stated GPU memory; a warning says the counters
+  cannot reach /metrics, which shows none rather than zeros; the leak is reported once with a
+  running count, naming the request that last held the block; a request longer than the narrow
+  row stops the engine with INV-TABLE-WRITE-BOUND although the mode is log, before the write;
+  ``vllm serve`` exits 1 and its output ends with the kvproof line.
 
-The reused metrics directory of item 12 is test_vllm_serve.py's (a server that serves clean)."""
+A reused metrics directory is test_vllm_serve.py's case (a server that serves clean)."""
 
 from __future__ import annotations
 

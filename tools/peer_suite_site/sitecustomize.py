@@ -6,7 +6,7 @@ torchvision on the package registries for torch 2.13 is the CUDA build, whose co
 cannot load next to the CPU build of torch; its Python side works, except that importing it
 registers fake kernels for two of those operators (``nms``, ``qnms``) without checking that they
 exist. Before torchvision is first imported, and only in that situation (torchvision's
-``version.py`` says ``+cu...``, torch has no CUDA), declare the two operators' schemas so that
+``torchvision/version.py`` says ``+cu...``, torch has no CUDA), declare the two operators' schemas so that
 the import succeeds; calling them still fails, as it would. The scheduler tests never call them: they only size encoder inputs.
 """
 
