@@ -73,13 +73,16 @@ class _PoolView:
 
 
 class _CoordinatorView:
-    """The one coordinator attribute the Scheduler reads (``use_eagle``), plus vLLM's own
-    coordinator for inspection. vLLM's coordinator has no ``use_eagle`` attribute of its own."""
+    """The coordinator attributes the Scheduler reads (``use_eagle``, ``exact_junction``), plus
+    vLLM's own coordinator for inspection. vLLM's coordinator has neither attribute of its own."""
 
-    __slots__ = ("use_eagle", "vllm", "alignment", "partial_hash_hits")
+    __slots__ = ("use_eagle", "exact_junction", "vllm", "alignment", "partial_hash_hits")
 
     def __init__(self, coordinator, use_eagle: bool) -> None:
         self.use_eagle = use_eagle
+        # vLLM 0.33.0 ends a chunk at the exact shared-prefix junction only with EAGLE
+        # (docs/vllm-semantics.md); this baseline runs without it.
+        self.exact_junction = False
         self.vllm = coordinator
         self.partial_hash_hits = bool(getattr(coordinator, "enable_partial_hash_hits", False))
         self.alignment = coordinator.scheduler_block_size
