@@ -102,7 +102,10 @@ class Server:
         environment = {k: v for k, v in os.environ.items()
                        if k not in ("VLLM_PLUGINS", "VLLM_ENABLE_V1_MULTIPROCESSING", "PROMETHEUS_MULTIPROC_DIR",
                                     "KVPROOF_STOP_REPORT")}
-        environment.update(VLLM_TARGET_DEVICE="cpu", KVPROOF_CONTRACTS="cheap", KVPROOF_ON_VIOLATION="log")
+        # The tests read kvproof's info lines: a VLLM_LOGGING_LEVEL an in-process command of an
+        # earlier test left in this worker's environment (`--engine vllm` sets ERROR) must not hide them.
+        environment.update(VLLM_TARGET_DEVICE="cpu", KVPROOF_CONTRACTS="cheap", KVPROOF_ON_VIOLATION="log",
+                           VLLM_LOGGING_LEVEL="INFO")
         if metrics_dir:
             environment["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         if faults:

@@ -80,7 +80,7 @@ def test_log_mode_counts_a_leak_once_and_still_refuses_a_corrupting_write(short_
 
     # Item 11: a stated GPU memory, not 1 TiB.
     assert any("the CPU staging executor stages 0.25 GiB (KVPROOF_STAGING_GPU_MEMORY) of GPU memory per rank; "
-               "gpu_memory_utilization 0.92 gives the KV cache 0.23 GiB" in line for line in kvproof)
+               "gpu_memory_utilization 0.92 gives the KV cache 0.23 GiB" in line for line in kvproof), kvproof
     # Item 12: said at start; and /metrics shows no kvproof counter stuck at zero.
     assert any("PROMETHEUS_MULTIPROC_DIR is not set, so kvproof's counters in this engine-core process" in line
                for line in kvproof)
