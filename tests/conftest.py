@@ -35,6 +35,32 @@ PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else
 settings.load_profile(PROFILE)
 
 
+def pin_local_constants() -> bool:
+    """Make a derandomized run draw the same cases in every process. Hypothesis (6.131 and
+    later) mixes literals from every local module in ``sys.modules`` into what it generates, so
+    a fixed seed reached different cases depending on which modules earlier tests in the same
+    process had imported: a state machine's reach floor held alone and failed in one CI worker.
+    Derandomized profiles draw from Hypothesis's own constants only; the pool Hypothesis would
+    have used stays reachable as ``providers._get_local_constants.unpinned``. Returns whether
+    there was a pool to pin (older Hypothesis has none)."""
+    from hypothesis.internal.conjecture import providers
+
+    current = getattr(providers, "_get_local_constants", None)
+    if current is None:
+        return False
+    if not hasattr(current, "unpinned"):
+        def pinned():
+            return providers.Constants()
+
+        pinned.unpinned = current
+        providers._get_local_constants = pinned
+    return True
+
+
+if settings.get_profile(PROFILE).derandomize:
+    pin_local_constants()
+
+
 def is_property_test(item) -> bool:
     """Whether ``item`` is a Hypothesis test: an ``@given`` function or a state machine's case."""
     fn = getattr(item, "obj", None)
