@@ -8,10 +8,10 @@ import logging
 
 from kvproof.impl.block_pool import BlockPool
 from kvproof.impl.eviction import EvictionValuer
+from kvproof.impl.fixpoint import fixpoint
 from kvproof.impl.managers import MANAGER_FOR_KIND, SingleTypeManager, StepLedger
 from kvproof.impl.request import Request
 from kvproof.spec.contracts import InvariantViolation, slow
-from kvproof.spec.joint_hit import fixpoint
 from kvproof.spec.layout import Layout
 from kvproof.spec.groups import GroupKind
 
@@ -93,7 +93,7 @@ class HybridCoordinator:
 
     def find_longest_hit(self, request: Request, bound: int) -> Hit:
         """The largest N <= ``bound`` that every group can restore, and the junctions beyond it
-        (no state change). Computed by :func:`kvproof.spec.joint_hit.fixpoint` over the groups'
+        (no state change). Computed by :func:`kvproof.impl.fixpoint.fixpoint` over the groups'
         finders (why it is the largest and why it ends: its docstring), attention first, so
         it takes two passes in practice: attention narrows the candidate, Mamba lowers it to a
         stored state, attention accepts that.

@@ -13,20 +13,20 @@ given ``has(N)``: "a key for the N-token prefix exists in this group":
 EAGLE groups must also cover one more unit (the draft recomputes it). The joint hit is the
 largest N <= the bound that is a multiple of the cache-hit alignment and usable in every group.
 The implementation (``kvproof.impl.coordinator``) computes the same number by a fixpoint of
-fast per-group finders; the state machines compare the two.
+fast per-group finders (``kvproof.impl.fixpoint``); the state machines and the exhaustive check
+``EXH-JOINT-FIXPOINT`` (proofs/joint_hit.py) compare the two.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence, TypeVar
+from typing import Callable
 
 import icontract
 
 from kvproof.spec.arith import floor_to
 
 Has = Callable[[int], bool]
-T = TypeVar("T")
 
 ATTENTION, MAMBA, WINDOW = "attention", "mamba", "window"
 
@@ -80,33 +80,3 @@ def joint_hit(views: tuple[GroupView, ...], bound: int, alignment: int, hash_siz
     while n > 0 and not all(usable(v, n, hash_size, hashed_len) for v in views):
         n -= alignment
     return n
-
-
-def fixpoint(finders: Sequence[Callable[[int], tuple[int, T]]], candidate: int) -> tuple[int, list[T], int, int]:
-    """The joint hit as the coordinator computes it: passes over per-group finders until a
-    pass lowers nothing. Each finder maps a candidate to the largest length <= it that its
-    group can restore (and what realises it). Returns ``(hit, payloads, longest, passes)``:
-    the payloads of the final pass, ``longest`` the largest single-group answer seen (the
-    first finder's first answer: no answer exceeds its input), and the number of passes.
-
-    Why it is the largest jointly restorable length J: J <= candidate initially, and a finder
-    given c >= J returns >= J (J is restorable in its group and <= c); at the end every finder
-    accepted the candidate, so it is jointly restorable, hence J. Why it ends: every pass that
-    does not end the loop strictly lowers the candidate, a non-negative integer (with lengths on
-    an alignment grid A, at most ``candidate / A + 1`` passes). ``impl.coordinator`` calls this
-    function; ``proofs/joint_hit.py`` checks it exhaustively. No state change.
-    """
-    payloads: list = [None] * len(finders)
-    longest, passes = 0, 0
-    if candidate <= 0:
-        return 0, payloads, 0, 0
-    while True:
-        before, passes = candidate, passes + 1
-        for i, find in enumerate(finders):
-            candidate, payloads[i] = find(candidate)
-            if candidate > longest:
-                longest = candidate
-            if candidate <= 0:
-                return 0, payloads, longest, passes
-        if candidate == before:
-            return candidate, payloads, longest, passes

@@ -25,12 +25,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from kvproof.impl.content_oracle import ContentOracle
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
 from kvproof.impl.scheduler import Scheduler
-from kvproof.impl.trace import TraceRequest
 from kvproof.integrations.vllm.engine_harness import EngineHarness, StepHook
+from kvproof.oracle.content_oracle import ContentOracle
+from kvproof.sim.trace import TraceRequest
 from kvproof.spec.groups import GroupKind
 from kvproof.spec.layout import Layout
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id  # after engine_harness: the CPU platform

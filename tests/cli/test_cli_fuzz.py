@@ -344,7 +344,7 @@ def _timeless_pair(pair: tuple[int, str]) -> tuple[int, str]:
 def private_tmp(tmp_path, monkeypatch):
     """A temporary directory of our own (others write to the shared one meanwhile)."""
     if "torch" in sys.modules or _torch_available():
-        from kvproof.e2e.dcp import rank_context
+        from kvproof.e2e.ranks import rank_context
 
         rank_context()  # the fork server's socket directory lives in the real temp dir, not ours
     tmp = tmp_path / "tmp"

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from kvproof.impl.hashing import key_at
 from kvproof.impl.kv_cache_manager import KVCacheManager
-from kvproof.impl.replay import replay
 from kvproof.impl.request import Request
-from kvproof.impl.trace import TraceRequest
+from kvproof.sim.replay import replay
+from kvproof.sim.trace import TraceRequest
 from kvproof.spec import contracts
 from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.groups import CacheGroup, GroupKind

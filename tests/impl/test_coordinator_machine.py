@@ -42,12 +42,12 @@ from hypothesis.stateful import (
 )
 
 from kvproof.impl.block_pool import NULL_BLOCK
-from kvproof.impl.content_oracle import ContentOracle
 from kvproof.impl.hashing import key_at
 from kvproof.impl.kv_cache_manager import KVCacheManager
-from kvproof.spec.eviction import COMPUTE, LRU
 from kvproof.impl.request import Request
 from kvproof.impl.scheduler import CapacityError, Scheduler
+from kvproof.oracle.content_oracle import ContentOracle
+from kvproof.spec.eviction import COMPUTE, LRU
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.joint_hit import ATTENTION, MAMBA, WINDOW, GroupView, joint_hit
 from kvproof.spec.layout import Layout, LayoutConfig, resolve_layout

@@ -346,8 +346,8 @@ def test_step_protocol_fires_when_copies_are_never_taken():
 
 
 def test_replay_step_limit_is_a_limit_error_not_a_violation():
-    from kvproof.impl.replay import StepLimitError, replay
-    from kvproof.impl.trace import TraceRequest
+    from kvproof.sim.replay import StepLimitError, replay
+    from kvproof.sim.trace import TraceRequest
 
     layout = resolve_layout(LayoutConfig((CacheGroup(FA, 2), CacheGroup(MAMBA, 4)), max_model_len=64))
     trace = [TraceRequest("r", tuple(range(20)), output=(1, 2, 3))]
@@ -357,9 +357,9 @@ def test_replay_step_limit_is_a_limit_error_not_a_violation():
 
 
 def test_replay_progress_contract_fires_on_a_step_that_schedules_nothing(monkeypatch):
-    from kvproof.impl.replay import replay
+    from kvproof.sim.replay import replay
     from kvproof.impl.scheduler import Scheduler, StepPlan
-    from kvproof.impl.trace import TraceRequest
+    from kvproof.sim.trace import TraceRequest
 
     def schedule_nothing(self):
         self.step += 1

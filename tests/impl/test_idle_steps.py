@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from kvproof.impl.coordinator import HybridCoordinator
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.managers import MANAGER_FOR_KIND, SingleTypeManager
-from kvproof.impl.replay import replay
 from kvproof.impl.request import Request
 from kvproof.impl.scheduler import CapacityError
-from kvproof.impl.trace import TraceRequest
+from kvproof.sim.replay import replay
+from kvproof.sim.trace import TraceRequest
 from kvproof.spec import contracts
 from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.groups import CacheGroup, GroupKind, MambaCacheMode

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from kvproof.impl.kv_cache_manager import KVCacheManager
-from kvproof.impl.replay import replay
 from kvproof.impl.request import Request
 from kvproof.impl.scheduler import Scheduler
-from kvproof.impl.trace import TraceRequest
+from kvproof.sim.replay import replay
+from kvproof.sim.trace import TraceRequest
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvproof.impl import content_oracle
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.managers import base
-from kvproof.impl.replay import replay
-from kvproof.impl.trace import TraceRequest
+from kvproof.oracle import content_oracle
+from kvproof.sim.replay import replay
+from kvproof.sim.trace import TraceRequest
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 

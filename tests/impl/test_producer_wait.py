@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvproof.impl.content_oracle import ContentOracle
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
 from kvproof.impl.scheduler import Scheduler
+from kvproof.oracle.content_oracle import ContentOracle
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 

@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 
 from kvproof.impl.kv_cache_manager import KVCacheManager
-from kvproof.impl.replay import replay
 from kvproof.impl.request import Request
-from kvproof.impl.trace import TraceRequest
+from kvproof.sim.replay import replay
+from kvproof.sim.trace import TraceRequest
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 from kvproof.spec.retention import RetentionRule, keeps_state, replay_boundaries

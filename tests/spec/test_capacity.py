@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvproof.impl.replay import replay
 from kvproof.impl.scheduler import CapacityError
-from kvproof.impl.trace import TraceRequest
+from kvproof.sim.replay import replay
+from kvproof.sim.trace import TraceRequest
 from kvproof.spec.capacity import blocks_alone, check_fits_alone
 from kvproof.spec.contracts import guard_like
 from kvproof.spec.groups import CacheGroup, GroupKind

@@ -1,4 +1,4 @@
-"""kvproof's manager against vLLM 0.33.0's own manager (benchmarks/vllm_baseline.py) on
+"""kvproof's manager against vLLM 0.33.0's own manager (integrations/vllm/manager_adapter.py) on
 scenarios where the two agree by design: the hit lengths (and copies) must be equal.
 
 They do not agree everywhere -- kvproof keys blocks after the forward pass, keeps Mamba states
@@ -9,9 +9,6 @@ chunk ends only where both managers keep a state.
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 
 pytestmark = pytest.mark.vllm
@@ -21,28 +18,16 @@ pytest.importorskip("vllm")
 from kvproof.impl.kv_cache_manager import KVCacheManager  # noqa: E402
 from kvproof.impl.request import Request  # noqa: E402
 from kvproof.impl.scheduler import Scheduler  # noqa: E402
-from kvproof.impl.trace import TraceRequest  # noqa: E402
+from kvproof.integrations.vllm.manager_adapter import VllmManagerAdapter  # noqa: E402
+from kvproof.sim.trace import TraceRequest  # noqa: E402
 from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
 
 FA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load_baseline():
-    # benchmarks/ is not a package; load the file by path (it imports its sibling counting.py;
-    # manager.py, which drops ICONTRACT_SLOW when imported, stays out).
-    spec = importlib.util.spec_from_file_location("vllm_baseline", BENCHMARKS / "vllm_baseline.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-vb = _load_baseline()
 
 MANAGERS = {
     "kvproof": lambda layout, n: KVCacheManager(layout, n),
-    "vllm": lambda layout, n: vb.VllmManagerAdapter(layout, n),
+    "vllm": lambda layout, n: VllmManagerAdapter(layout, n),
 }
 
 
@@ -105,7 +90,7 @@ def test_adapter_layout_matches_vllm_rule_for_k3():
     """kvproof's derived partial-hit rule and alignment are vLLM's own for K3
     (docs/vllm-semantics.md §1)."""
     for dcp, partial in [(1, False), (2, True)]:
-        kv = vb.VllmManagerAdapter(layout_for([CacheGroup(FA, 256), CacheGroup(MAMBA, 256)], dcp), 32)
+        kv = VllmManagerAdapter(layout_for([CacheGroup(FA, 256), CacheGroup(MAMBA, 256)], dcp), 32)
         assert kv.disagreements == []
         assert kv.coordinator.partial_hash_hits is partial
         assert kv.coordinator.alignment == 256
@@ -155,26 +140,3 @@ def test_shared_prefix_siblings_hit_the_block_aligned_checkpoint(dcp):
              TraceRequest("s3", prefix[:200] + tuple(range(300, 380)), (7,), arrival=40)]
     ours, theirs = (schedule_trace(k, layout, trace, budget=8192) for k in ("kvproof", "vllm"))
     assert ours == theirs == {"p": 0, "s1": 256, "s2": 256, "s3": 0}
-
-
-# --- the benchmark entry point -------------------------------------------------------------------
-
-def test_run_vllm_reports_run_kvproof_keys():
-    from kvproof.cli.layout_args import parse_group
-
-    layout = resolve_layout(LayoutConfig((parse_group("full_attention:64"), parse_group("mamba:64")),
-                                         dcp=2, max_model_len=1 << 20))
-    prefix = tuple(range(512))
-    trace = [TraceRequest(f"r{i}", prefix + tuple(range(1000 * i, 1000 * i + 40 + i)), tuple(range(5)),
-                          arrival=i // 2) for i in range(12)]
-    out = vb.run_vllm(trace, layout, 2000, 1024)
-    assert set(out) == {"ops", "seconds", "ops_per_s", "us_per_lookup", "hit_rate", "copies", "steps"}
-    # lookups + one allocation per prefill chunk / decode step + frees: at least 12 * (1 + 5 + 1)
-    assert out["ops"] >= 12 * 7
-    assert 0 < out["hit_rate"] < 1
-
-
-def test_both_benchmark_sides_count_the_same_calls():
-    """benchmarks/manager.py's two columns share one counting mixin and one driver."""
-    assert vb.CountingVllmAdapter.__mro__[1].__name__ == "CountingMixin"
-    assert {"lookup", "allocate_slots", "free"} <= set(vars(vb.CountingMixin))

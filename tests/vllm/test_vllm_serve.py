@@ -24,9 +24,9 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 pytest.importorskip("psutil")
 
-from kvproof.impl.replay import replay  # noqa: E402
-from kvproof.impl.trace import TraceRequest  # noqa: E402
 from kvproof.integrations.vllm.engine_harness import EngineHarness, StepHook  # noqa: E402
+from kvproof.sim.replay import replay  # noqa: E402
+from kvproof.sim.trace import TraceRequest  # noqa: E402
 from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
 

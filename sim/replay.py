@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
-from kvproof.impl.content_oracle import ContentOracle
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
 from kvproof.impl.scheduler import Scheduler, StepPlan
-from kvproof.impl.trace import TraceRequest
+from kvproof.oracle.content_oracle import ContentOracle
+from kvproof.sim.trace import TraceRequest
 from kvproof.spec import contracts
 from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.layout import Layout

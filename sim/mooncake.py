@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator, Optional
 
-from kvproof.impl.trace import INT_LIMIT, TraceError, TraceRequest, decode_line, show_value, trace_lines
+from kvproof.sim.trace import INT_LIMIT, TraceError, TraceRequest, decode_line, show_value, trace_lines
 
 #: Tokens per Mooncake hash id.
 MOONCAKE_BLOCK = 512
