@@ -30,6 +30,7 @@ from kvproof.impl.request import Request
 from kvproof.impl.scheduler import Scheduler
 from kvproof.integrations.vllm.engine_harness import EngineHarness, StepHook
 from kvproof.oracle.content_oracle import ContentOracle
+from kvproof.sim.drive import drain
 from kvproof.sim.trace import TraceRequest
 from kvproof.spec.groups import GroupKind
 from kvproof.spec.layout import Layout
@@ -133,23 +134,18 @@ def run_kvproof(trace: Sequence[TraceRequest], layout: Layout, options: ParityOp
         requests.append(r)
         return r
 
-    def drain() -> None:
-        while sched.has_unfinished():
-            plan = sched.schedule()
-            for c in plan.chunks:
-                ends.setdefault(c.request.request_id, []).append(c.start + c.num_tokens)
-            oracle.run_step(plan)
-            for done in sched.finish_step(plan):
-                oracle.forget(done)
+    def note_ends(plan) -> None:
+        for c in plan.chunks:
+            ends.setdefault(c.request.request_id, []).append(c.start + c.num_tokens)
 
     if sequential:
         for t in trace:
             sched.add_request(make(t, sched.step + 1))
-            drain()
+            drain(sched, oracle, note_ends)
     else:
         for t in trace:
             sched.add_request(make(t, t.arrival))
-        drain()
+        drain(sched, oracle, note_ends)
     return EngineRun({r.request_id: r.num_cached_tokens or 0 for r in requests}, sched.step, list(oracle.violations),
                      ends, {r.request_id: r.junctions for r in requests})
 

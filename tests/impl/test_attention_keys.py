@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvproof.impl.hashing import key_at
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
+from kvproof.sim.drive import run_chunks
 from kvproof.sim.replay import replay
 from kvproof.sim.trace import TraceRequest
 from kvproof.spec import contracts
@@ -36,17 +37,9 @@ def kv_for(keys: str, dcp: int = 4, block: int = 2, h: int = 2, num_blocks: int 
 
 def run(kv: KVCacheManager, request: Request, chunks) -> int:
     """Schedule ``request`` alone, one chunk per step; returns its hit."""
-    hit = None
-    for n in chunks:
-        kv.begin_step()
-        looked = None if kv.is_running(request) else kv.lookup(request)
-        hit = looked.num_tokens if looked is not None else hit
-        start = request.num_computed_tokens if kv.is_running(request) else looked.num_tokens
-        assert kv.allocate_slots(request, n, looked) is not None
-        kv.take_block_copies()
-        request.num_computed_tokens = start + n
-        kv.cache(request)
-    return hit
+    runs = run_chunks(kv, request, chunks)
+    assert all(run.blocks is not None for run in runs)
+    return runs[0].hit.num_tokens
 
 
 @pytest.mark.parametrize("keys, want", [("every-hash", 6), ("chunk-ends", 0)])

@@ -19,6 +19,7 @@ from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.managers import MANAGER_FOR_KIND, SingleTypeManager
 from kvproof.impl.request import Request
 from kvproof.impl.scheduler import CapacityError
+from kvproof.sim.drive import run_chunk
 from kvproof.sim.replay import replay
 from kvproof.sim.trace import TraceRequest
 from kvproof.spec import contracts
@@ -177,17 +178,10 @@ def test_a_claimed_idle_range_that_needs_blocks_is_caught():
         kv.coordinator.managers[0].idle_until = lambda request, num_computed: 1 << 30
         req = Request("r", tuple(range(6)), kv.layout.hash_block_size)
         with contracts.slow_checks(slow):
-            kv.begin_step()
-            hit = kv.lookup(req)
-            kv.allocate_slots(req, 6, hit)
-            req.num_computed_tokens = 6
-            kv.cache(req)
+            run_chunk(kv, req, 6)
             for token in range(6, 12):
                 req.append_output(100 + token)
-                kv.begin_step()
-                kv.allocate_slots(req, 1)
-                req.num_computed_tokens += 1
-                kv.cache(req)
+                run_chunk(kv, req, 1)
         return kv
 
     with pytest.raises(InvariantViolation, match="INV-IDLE-STEP.*request 'r', group 0: a step to 9 tokens"):
@@ -198,16 +192,10 @@ def test_a_claimed_idle_range_that_needs_blocks_is_caught():
 
 def _decode(kv, request, prompt_len, end):
     """Compute ``prompt_len`` tokens in one step, then decode one token per step to ``end``."""
-    kv.begin_step()
-    kv.allocate_slots(request, prompt_len, kv.lookup(request))
-    request.num_computed_tokens = prompt_len
-    kv.cache(request)
+    assert run_chunk(kv, request, prompt_len).blocks is not None
     for token in range(prompt_len, end):
         request.append_output(100 + token)
-        kv.begin_step()
-        assert kv.allocate_slots(request, 1) is not None
-        request.num_computed_tokens += 1
-        kv.cache(request)
+        assert run_chunk(kv, request, 1).blocks is not None
 
 
 def test_only_the_steps_that_need_a_block_or_complete_one_reach_the_manager(monkeypatch):

@@ -9,6 +9,7 @@ import pytest
 
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
+from kvproof.sim.drive import run_chunk
 from kvproof.sim.replay import replay
 from kvproof.sim.trace import TraceRequest
 from kvproof.spec.groups import CacheGroup, GroupKind
@@ -59,11 +60,7 @@ def test_lookup_reports_the_junction_beyond_the_joint_hit(keys, junctions):
     lay = layout(0, keys=keys)
     kv = KVCacheManager(lay, 512)
     a = Request("A", list(issue_trace()[0].prompt), lay.hash_block_size)
-    kv.begin_step()
-    kv.allocate_slots(a, a.num_tokens, kv.lookup(a))
-    kv.take_block_copies()
-    a.num_computed_tokens = a.num_tokens
-    kv.cache(a)
+    assert run_chunk(kv, a, a.num_tokens).blocks is not None
     b = Request("B", list(issue_trace()[1].prompt), lay.hash_block_size)
     hit = kv.lookup(b)
     # Chunk-end keys: A's block [112, 128) is full, keyed at 128 only, so attention stops at

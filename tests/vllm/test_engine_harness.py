@@ -16,6 +16,7 @@ from kvproof.impl.request import Request  # noqa: E402
 from kvproof.impl.scheduler import Scheduler  # noqa: E402
 from kvproof.integrations.vllm.engine_harness import EngineHarness, HarnessStalled, StepHook  # noqa: E402
 from kvproof.integrations.vllm.manager_adapter import VllmManagerAdapter  # noqa: E402
+from kvproof.sim.drive import drain  # noqa: E402
 from kvproof.sim.replay import replay  # noqa: E402
 from kvproof.sim.trace import TraceRequest  # noqa: E402
 from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
@@ -147,8 +148,7 @@ def test_hits_equal_the_baseline_adapter_on_attention_only_chats(dcp, seed):
     sched = Scheduler(kv, max_num_batched_tokens=64)
     for t in trace:
         sched.add_request(Request(t.id, t.prompt, layout.hash_block_size, arrival=t.arrival, expected_outputs=t.output))
-    while sched.has_unfinished():
-        sched.finish_step(sched.schedule())
+    drain(sched)
     assert result.num_cached_tokens == {r.request_id: r.num_cached_tokens for r in sched.finished}
     assert sum(result.num_cached_tokens.values()) > 0
     assert (result.num_steps, result.copies) == (sched.step, kv.num_copies)
@@ -170,8 +170,7 @@ def test_hits_equal_the_baseline_adapter_on_block_aligned_siblings(dcp):
     sched = Scheduler(kv, max_num_batched_tokens=8192)
     for t in trace:
         sched.add_request(Request(t.id, t.prompt, layout.hash_block_size, arrival=t.arrival, expected_outputs=t.output))
-    while sched.has_unfinished():
-        sched.finish_step(sched.schedule())
+    drain(sched)
     assert result.num_cached_tokens == {r.request_id: r.num_cached_tokens for r in sched.finished}
     assert result.num_cached_tokens == {"p": 0, "s1": 256, "s2": 256, "s3": 0}
 

@@ -19,6 +19,7 @@ from kvproof.impl.kv_cache_manager import KVCacheManager  # noqa: E402
 from kvproof.impl.request import Request  # noqa: E402
 from kvproof.impl.scheduler import Scheduler  # noqa: E402
 from kvproof.integrations.vllm.manager_adapter import VllmManagerAdapter  # noqa: E402
+from kvproof.sim import drive  # noqa: E402
 from kvproof.sim.trace import TraceRequest  # noqa: E402
 from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
@@ -44,27 +45,14 @@ def _req(rid, tokens, layout, outputs=()):
 
 def run_chunks(kv, req, chunks):
     """Schedule ``req`` alone for each chunk size in turn (lookup on its first chunk)."""
-    copies = []
-    for i, n in enumerate(chunks):
-        kv.begin_step()
-        hit = kv.lookup(req) if i == 0 else None
-        assert kv.allocate_slots(req, n, hit) is not None
-        copies = kv.take_block_copies()
-        req.num_computed_tokens += n
-        kv.cache(req)
-    return copies
+    assert all(run.blocks is not None for run in drive.run_chunks(kv, req, chunks))
 
 
 def admit(kv, req, n):
     """One step admitting ``req``: look it up, allocate ``n`` tokens after its hit, run."""
-    kv.begin_step()
-    hit = kv.lookup(req)
-    blocks = kv.allocate_slots(req, n, hit)
-    copies = kv.take_block_copies()
-    assert blocks is not None
-    req.num_computed_tokens = hit.num_tokens + n
-    kv.cache(req)
-    return hit.num_tokens, len(copies)
+    run = drive.run_chunk(kv, req, n)
+    assert run.blocks is not None
+    return run.hit.num_tokens, len(run.copies)
 
 
 def k3(kind, dcp):
@@ -104,8 +92,7 @@ def schedule_trace(kind, layout, trace, budget, num_blocks=256):
     for t in trace:
         sched.add_request(Request(t.id, t.prompt, layout.hash_block_size, arrival=t.arrival,
                                   expected_outputs=t.output))
-    while sched.has_unfinished():
-        sched.finish_step(sched.schedule())
+    drive.drain(sched)
     assert len(sched.finished) == len(trace)
     # Everything goes back to the pool, CoW retentions included (block 0 is the null block).
     # kvproof releases a step's retentions when the next step begins; vLLM as soon as the
