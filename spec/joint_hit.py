@@ -42,7 +42,7 @@ class GroupView:
     window: int = 0  # sliding window, tokens
 
 
-def usable(view: GroupView, n: int, hash_size: int, hashed_len: int) -> bool:
+def usable(view: GroupView, n: int, hash_block_size: int, hashed_len: int) -> bool:
     """Whether ``view``'s group can restore the first ``n`` tokens."""
     if n == 0:
         return True
@@ -62,21 +62,21 @@ def usable(view: GroupView, n: int, hash_size: int, hashed_len: int) -> bool:
     if need % b == 0:
         return True
     block_end = min((need // b + 1) * b, hashed_len)
-    return any(has(m) for m in range(floor_to(need + hash_size - 1, hash_size), block_end + 1, hash_size))
+    return any(has(m) for m in range(floor_to(need + hash_block_size - 1, hash_block_size), block_end + 1, hash_block_size))
 
 
 @icontract.require(
     lambda bound, hashed_len: bound >= 0 and hashed_len >= 0,
     error=lambda bound, hashed_len: ValueError(f"bound {bound} and hashed_len {hashed_len} must be >= 0"),
 )
-@icontract.require(lambda alignment, hash_size: alignment % hash_size == 0)
+@icontract.require(lambda alignment, hash_block_size: alignment % hash_block_size == 0)
 @icontract.ensure(
     lambda bound, alignment, hashed_len, result: result % alignment == 0 and 0 <= result <= min(bound, hashed_len),
     "INV-HIT-BOUND: the hit is a multiple of A, at most the bound (num_tokens - 1) and the hashed length",
 )
-def joint_hit(views: tuple[GroupView, ...], bound: int, alignment: int, hash_size: int, hashed_len: int) -> int:
+def joint_hit(views: tuple[GroupView, ...], bound: int, alignment: int, hash_block_size: int, hashed_len: int) -> int:
     """The largest N that every group can restore (O(bound / A) candidates; a reference)."""
     n = floor_to(max(min(bound, hashed_len), 0), alignment)
-    while n > 0 and not all(usable(v, n, hash_size, hashed_len) for v in views):
+    while n > 0 and not all(usable(v, n, hash_block_size, hashed_len) for v in views):
         n -= alignment
     return n

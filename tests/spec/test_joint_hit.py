@@ -39,17 +39,17 @@ def test_mamba_restores_exactly_its_stored_lengths_and_a_window_its_last_blocks(
 def test_the_joint_hit_is_the_largest_length_every_group_restores():
     attention = GroupView(ATTENTION, 4, keys(4, 8, 12, 16))
     mamba = GroupView(MAMBA, 4, keys(8, 16))
-    assert joint_hit((attention, mamba), bound=15, alignment=4, hash_size=4, hashed_len=16) == 8
-    assert joint_hit((attention, mamba), bound=16, alignment=4, hash_size=4, hashed_len=16) == 16
-    assert joint_hit((GroupView(ATTENTION, 4, keys(4)),), bound=7, alignment=1, hash_size=1, hashed_len=16) == 4
-    assert joint_hit((GroupView(MAMBA, 4, keys()),), bound=5, alignment=1, hash_size=1, hashed_len=8) == 0
-    assert joint_hit((GroupView(MAMBA, 4, keys(1)),), bound=0, alignment=1, hash_size=1, hashed_len=8) == 0
+    assert joint_hit((attention, mamba), bound=15, alignment=4, hash_block_size=4, hashed_len=16) == 8
+    assert joint_hit((attention, mamba), bound=16, alignment=4, hash_block_size=4, hashed_len=16) == 16
+    assert joint_hit((GroupView(ATTENTION, 4, keys(4)),), bound=7, alignment=1, hash_block_size=1, hashed_len=16) == 4
+    assert joint_hit((GroupView(MAMBA, 4, keys()),), bound=5, alignment=1, hash_block_size=1, hashed_len=8) == 0
+    assert joint_hit((GroupView(MAMBA, 4, keys(1)),), bound=0, alignment=1, hash_block_size=1, hashed_len=8) == 0
 
 
 def test_the_joint_hit_refuses_negative_bounds():
     view = GroupView(MAMBA, 4, keys())
     with pytest.raises(ValueError, match="bound -1 and hashed_len 0 must be >= 0"):
-        joint_hit((view,), bound=-1, alignment=1, hash_size=1, hashed_len=0)
+        joint_hit((view,), bound=-1, alignment=1, hash_block_size=1, hashed_len=0)
     with pytest.raises(ValueError, match="bound 0 and hashed_len -1 must be >= 0"):
-        joint_hit((view,), bound=0, alignment=1, hash_size=1, hashed_len=-1)
-    assert joint_hit((view,), bound=0, alignment=1, hash_size=1, hashed_len=0) == 0
+        joint_hit((view,), bound=0, alignment=1, hash_block_size=1, hashed_len=-1)
+    assert joint_hit((view,), bound=0, alignment=1, hash_block_size=1, hashed_len=0) == 0
