@@ -126,6 +126,7 @@ def run_kvproof(trace: Sequence[TraceRequest], layout: Layout, options: ParityOp
     oracle = ContentOracle(layout)
     requests = []
     ends: dict[str, list[int]] = {}
+    junctions: dict[str, tuple[int, ...]] = {}  # each request's last admission hit's
 
     def make(t: TraceRequest, arrival: int) -> Request:
         r = Request(t.id, t.prompt, layout.hash_block_size, cache_salt=t.cache_salt, arrival=arrival,
@@ -138,6 +139,8 @@ def run_kvproof(trace: Sequence[TraceRequest], layout: Layout, options: ParityOp
             plan = sched.schedule()
             for c in plan.chunks:
                 ends.setdefault(c.request.request_id, []).append(c.start + c.num_tokens)
+                if c.overwrite:
+                    junctions[c.request.request_id] = c.junctions
             oracle.run_step(plan)
             for done in sched.finish_step(plan):
                 oracle.forget(done)
@@ -151,7 +154,7 @@ def run_kvproof(trace: Sequence[TraceRequest], layout: Layout, options: ParityOp
             sched.add_request(make(t, t.arrival))
         drain()
     return EngineRun({r.request_id: r.num_cached_tokens or 0 for r in requests}, sched.step, list(oracle.violations),
-                     ends, {r.request_id: r.junctions for r in requests})
+                     ends, {r.request_id: junctions.get(r.request_id, ()) for r in requests})
 
 
 class _Schedule(StepHook):
