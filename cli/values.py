@@ -17,6 +17,8 @@ import argparse
 import re
 from typing import Callable
 
+from kvproof.spec.geometry import MAX_NUM_BLOCKS
+
 _DECIMAL = re.compile(r"-?[0-9]+")
 _DECIMAL_NUMBER = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
 #: More digits than any cap below: refused before int() (which refuses past 4300 digits).
@@ -25,8 +27,6 @@ _MAX_DIGITS = 24
 #: Every token count (block size, window, lengths, budgets) is at most 2**30: the longest
 #: context the geometry accepts (spec.layout.MAX_MODEL_LEN_LIMIT).
 TOKEN_LIMIT = 1 << 30
-#: Block ids are int32 in vLLM's and kvproof's block tables.
-NUM_BLOCKS_LIMIT = (1 << 31) - 1
 #: Speculative blocks per Mamba group: one per speculative token; drafters propose a handful.
 SPECULATIVE_BLOCKS_LIMIT = 128
 #: torch seeds are unsigned 64-bit integers.
@@ -88,7 +88,7 @@ decimal_number.__name__ = "decimal number"
 
 #: argparse types of the numeric flags.
 token_count = decimal(TOKEN_LIMIT, "2**30 tokens, the longest context kvproof accepts")
-block_count = decimal(NUM_BLOCKS_LIMIT, "block ids are int32 in block tables")
+block_count = decimal(MAX_NUM_BLOCKS, "block ids are int32 in block tables")
 speculative_count = decimal(SPECULATIVE_BLOCKS_LIMIT, "one block per speculative token")
 seed_value = decimal(SEED_LIMIT, "torch seeds are unsigned 64-bit integers", minimum=0)
 any_decimal = decimal()

@@ -41,6 +41,7 @@ import icontract
 
 from kvproof.spec.contracts import InvariantViolation, check, slow_tier
 from kvproof.spec.eviction import COMPUTE, LRU, parse_policy
+from kvproof.spec.geometry import MAX_NUM_BLOCKS
 
 NULL_BLOCK = 0
 
@@ -72,8 +73,11 @@ class BlockPool:
     def __init__(self, num_blocks: int, policy: str = LRU) -> None:
         """A pool whose blocks 1..num_blocks-1 start free, in id order (allocated in that order),
         evicting by ``policy`` (``spec.eviction``: ``lru``, vLLM's, or ``compute``)."""
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks {num_blocks!r} must be an int >= 1 (block 0 is the null block)")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not 1 <= num_blocks <= MAX_NUM_BLOCKS:
+            raise ValueError(
+                f"num_blocks {num_blocks!r} must be an int in [1, {MAX_NUM_BLOCKS}] "
+                "(block 0 is the null block; block ids are int32 table entries)"
+            )
         parse_policy(policy)
         self._num_blocks = num_blocks
         self._ref = [0] * num_blocks

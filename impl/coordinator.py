@@ -228,11 +228,7 @@ class HybridCoordinator:
 
     def cache(self, request: Request, num_computed: int) -> None:
         """Mutates. Key what the step computed in every group, unless the request is idle there."""
-        running = self._running.get(request.request_id)
-        if running is None:
-            if num_computed <= 0:
-                return
-            raise ValueError(f"request {request.request_id!r} is not running: cache follows its allocate")
+        running = self._running[request.request_id]  # the facade refuses a request not running
         if num_computed <= running.idle_until:
             return
         managers = self.managers

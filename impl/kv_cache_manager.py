@@ -53,6 +53,8 @@ class KVCacheManager:
         """The prefix-cache hit for a waiting request: at most ``num_tokens - 1`` tokens (one
         must be computed to sample) -- or at most ``bound`` -- at most the hashed length, a
         multiple of the cache-hit alignment (INV-HIT-BOUND). No state change."""
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
+            raise ValueError(f"request {request.request_id!r}: bound {bound!r} must be None or an int >= 0")
         limit = request.num_tokens - 1 if bound is None else min(bound, request.num_tokens - 1)
         hit = self.coordinator.find_longest_hit(request, limit)
         n = hit.num_tokens
@@ -118,8 +120,13 @@ class KVCacheManager:
         computed ones (after ``hit`` for a waiting request, which must come from ``lookup`` in
         this step). Returns, per group, the block ids to append to the worker's row (the whole
         row for a new request), or None when the pool is short; then nothing changed."""
-        if num_new_tokens <= 0:
-            raise ValueError(f"request {request.request_id!r}: num_new_tokens {num_new_tokens} must be > 0")
+        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens <= 0:
+            raise ValueError(f"request {request.request_id!r}: num_new_tokens {num_new_tokens!r} must be an int > 0")
+        if request.request_id in self._in_flight:
+            raise ValueError(
+                f"request {request.request_id!r} was already allocated this step; "
+                "a request gets one allocate_slots per step, and cache() after its forward pass"
+            )
         running = self.coordinator.is_running(request)
         if running:
             if hit is not None and hit.num_tokens:
@@ -160,6 +167,11 @@ class KVCacheManager:
     def cache(self, request: Request) -> None:
         """Mutates. After the forward pass: key what it computed (``request.num_computed_tokens``
         must already count the step's tokens) and release blocks the step no longer needs."""
+        if not self.coordinator.is_running(request):
+            raise ValueError(
+                f"request {request.request_id!r} holds no blocks (freed, or never allocated); "
+                "cache() follows its allocate_slots, before free()"
+            )
         self.coordinator.cache(request, request.num_computed_tokens)
         self._in_flight.discard(request.request_id)
 
@@ -184,9 +196,12 @@ class KVCacheManager:
             m.check_real_blocks(request)
 
     def _check(self) -> bool:
-        """Whole-state check (slow tier): pool conservation, every table entry is held, and the
-        attention blocks' keys stay on their hash grid (INV-KEYS-PER-BLOCK)."""
+        """Whole-state check (slow tier): pool conservation, every table entry is held, the
+        attention blocks' keys stay on their hash grid (INV-KEYS-PER-BLOCK), and every Mamba row
+        holds no more real blocks than its state needs (INV-MAMBA-REAL-BLOCKS)."""
         self.pool._check()
+        for m in self._mamba_managers:
+            m.check_rows(self._in_flight)
         for m in self.managers:
             if isinstance(m, FullAttentionManager):
                 m.check_keys()

@@ -24,6 +24,8 @@ from kvproof.spec.placement import table_index
 
 #: Bytes of one block-table entry (int32 block ids).
 TABLE_ENTRY_BYTES = 4
+#: Most blocks a pool may have: every block id must fit an int32 block-table entry.
+MAX_NUM_BLOCKS = (1 << 31) - 1
 
 
 # --------------------------------------------------------------------------------------------

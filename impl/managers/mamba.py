@@ -281,23 +281,33 @@ class MambaManager(SingleTypeManager):
         """INV-MAMBA-REAL-BLOCKS: between steps a request holds at most ``1 + speculative`` real
         blocks: its state and the scratch blocks after it. Cheap (amortised O(1) per step): the
         entries below the state already checked are not read again."""
-        rid = request.request_id
+        self._check_row(request.request_id, during_step=False)
+
+    def check_rows(self, in_flight: set[str]) -> None:
+        """INV-MAMBA-REAL-BLOCKS for every row (whole-state check): a request allocated this
+        step and not yet cached may also hold the old state its step reads (``2 + speculative``)."""
+        for rid in self.requests:
+            self._check_row(rid, during_step=rid in in_flight)
+
+    def _check_row(self, rid: str, during_step: bool) -> None:
         state = self.requests.get(rid)
         if state is None or not state.row:
             return
         table = state.row
         index = max(state.state_index, 0)
         low = max(state.checked_below, 0)
-        limit = self._real_limit
+        limit = self._real_limit + during_step
         stray = [i for i in range(low, min(index, len(table))) if table[i] != NULL_BLOCK]
         real = len(stray) + sum(1 for x in table[index:] if x != NULL_BLOCK)
         if real > limit:
+            when = "during its step" if during_step else "between steps"
             where = f" (kept below the state at row index {index}: {stray})" if stray else ""
             raise InvariantViolation(
                 "INV-MAMBA-REAL-BLOCKS",
-                f"request {rid!r}, group {self.group_id}: {real} real state blocks between steps > {limit}{where}",
+                f"request {rid!r}, group {self.group_id}: {real} real state blocks {when} > {limit}{where}",
             )
-        state.checked_below = max(index, low)
+        if not during_step:  # the old state below the index is still real during the step
+            state.checked_below = max(index, low)
 
     def free(self, request: Request) -> None:
         rid = request.request_id

@@ -288,7 +288,7 @@ def test_bad_input_is_named():
     kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
     r = req("r", [1, 2, 3], kv)
     kv.begin_step()
-    with pytest.raises(ValueError, match="num_new_tokens 0 must be > 0"):
+    with pytest.raises(ValueError, match="num_new_tokens 0 must be an int > 0"):
         kv.allocate_slots(r, 0)
     with pytest.raises(ValueError, match="exceed the 3 known tokens"):
         kv.allocate_slots(r, 4)

@@ -61,8 +61,11 @@ def test_cheap_conditions_stay_on_with_the_switch_off(monkeypatch):
 BAD_INPUT = r'''
 import sys
 from kvproof.impl.block_pool import BlockPool
+from kvproof.impl.kv_cache_manager import KVCacheManager
+from kvproof.impl.request import Request
 from kvproof.spec import arith, geometry, placement
 from kvproof.spec.groups import CacheGroup, GroupKind
+from kvproof.spec.layout import LayoutConfig, resolve_layout
 assert not __debug__, "this script must run under python -O"
 
 def snapshot(p):
@@ -72,8 +75,17 @@ pool = BlockPool(4)
 pool.allocate(2)
 pool.cache_full(1, ("k", 0), 2)
 before = snapshot(pool)
+layout = resolve_layout(LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, 4), CacheGroup(GroupKind.MAMBA, 4))))
+kv = KVCacheManager(layout, 16)
+req = Request("r", [1, 2, 3], layout.hash_block_size)
+kv.begin_step()
+kv_before = snapshot(kv.pool)
 cases = [
-    (lambda: BlockPool(0), "num_blocks 0 must be an int >= 1"),
+    (lambda: BlockPool(2 ** 70), "num_blocks 1180591620717411303424 must be an int in [1, 2147483647]"),
+    (lambda: kv.allocate_slots(req, True), "request 'r': num_new_tokens True must be an int > 0"),
+    (lambda: kv.lookup(req, bound=-5), "request 'r': bound -5 must be None or an int >= 0"),
+    (lambda: kv.cache(req), "request 'r' holds no blocks"),
+    (lambda: BlockPool(0), "num_blocks 0 must be an int in [1, "),
     (lambda: pool.evict([-1]), "evict: block id -1 out of range [1, 4)"),
     (lambda: pool.evict([4]), "evict: block id 4 out of range [1, 4)"),
     (lambda: pool.move_key(1, 1), "INV-POOL-HELD-TO-CACHE: move_key needs two distinct held real blocks"),
@@ -96,7 +108,7 @@ for call, message in cases:
             sys.exit(f"wrong message: {e!r}, expected {message!r}")
     else:
         sys.exit(f"accepted under -O; expected ValueError {message!r}")
-if snapshot(pool) != before:
+if snapshot(pool) != before or snapshot(kv.pool) != kv_before or req.num_computed_tokens:
     sys.exit("a refused call changed the pool")
 print("ok", len(cases))
 '''
@@ -105,7 +117,7 @@ print("ok", len(cases))
 def test_bad_input_is_refused_under_python_O():
     env = {k: v for k, v in os.environ.items() if k != "ICONTRACT_SLOW"}
     proc = subprocess.run([sys.executable, "-O", "-c", BAD_INPUT], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.startswith("ok 14"), proc.stdout + proc.stderr
+    assert proc.returncode == 0 and proc.stdout.startswith("ok 18"), proc.stdout + proc.stderr
 
 
 def test_the_thorough_profile_reaches_every_property_test(tmp_path):
