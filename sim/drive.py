@@ -8,8 +8,9 @@ request finishes or is preempted. ``kvproof.impl.scheduler.Scheduler`` runs that
 whole batch; :class:`Step` runs it for requests a caller picks by hand (a scenario), and
 :func:`drain` runs the scheduler's own loop to the end, with the content oracle watching.
 
-The driver does what the scheduler does and nothing else (a waiting request's junctions come
-from its hit, as in ``Scheduler._admit``), so a scenario driven by hand sees what a replay sees.
+The driver makes the calls the scheduler makes and nothing else (a waiting request is admitted
+on its hit, whose junctions the manager keeps), so a scenario driven by hand sees what a replay
+sees.
 """
 
 from __future__ import annotations
@@ -79,7 +80,6 @@ class Step:
             if hit is LOOKUP:
                 hit = kv.lookup(request)
             start = hit.num_tokens if hit is not None else 0
-            request.junctions = hit.junctions if hit is not None else ()
         blocks = kv.allocate_slots(request, num_new_tokens, hit)
         if blocks is not None:
             self._computed.append((request, start + num_new_tokens))

@@ -225,6 +225,13 @@ class VllmManagerAdapter:
         vreq.shared_prefix_boundary = boundary
         return VllmHit(num_hit, blocks, boundary)
 
+    def junctions(self, request: Request) -> tuple[int, ...]:
+        """The shared-prefix boundary of the request's latest lookup (vLLM keeps it on its
+        request), as kvproof's ``KVCacheManager.junctions``: where its prefill chunks stop."""
+        vreq = self._mirror.get(request.request_id)
+        boundary = vreq.shared_prefix_boundary if vreq is not None else 0
+        return (boundary,) if boundary else ()
+
     def cheaper_hits(self, request: Request, hit: VllmHit):
         """None: vLLM's scheduler has no fallback; a request that cannot afford its hit waits."""
         return iter(())

@@ -127,6 +127,7 @@ def run_kvproof(trace: Sequence[TraceRequest], layout: Layout, options: ParityOp
     oracle = ContentOracle(layout)
     requests = []
     ends: dict[str, list[int]] = {}
+    junctions: dict[str, tuple[int, ...]] = {}  # each request's last admission hit's
 
     def make(t: TraceRequest, arrival: int) -> Request:
         r = Request(t.id, t.prompt, layout.hash_block_size, cache_salt=t.cache_salt, arrival=arrival,
@@ -134,20 +135,22 @@ def run_kvproof(trace: Sequence[TraceRequest], layout: Layout, options: ParityOp
         requests.append(r)
         return r
 
-    def note_ends(plan) -> None:
+    def note_chunks(plan) -> None:
         for c in plan.chunks:
             ends.setdefault(c.request.request_id, []).append(c.start + c.num_tokens)
+            if c.overwrite:
+                junctions[c.request.request_id] = c.junctions
 
     if sequential:
         for t in trace:
             sched.add_request(make(t, sched.step + 1))
-            drain(sched, oracle, note_ends)
+            drain(sched, oracle, note_chunks)
     else:
         for t in trace:
             sched.add_request(make(t, t.arrival))
-        drain(sched, oracle, note_ends)
+        drain(sched, oracle, note_chunks)
     return EngineRun({r.request_id: r.num_cached_tokens or 0 for r in requests}, sched.step, list(oracle.violations),
-                     ends, {r.request_id: r.junctions for r in requests})
+                     ends, {r.request_id: junctions.get(r.request_id, ()) for r in requests})
 
 
 class _Schedule(StepHook):

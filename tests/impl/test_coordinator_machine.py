@@ -279,9 +279,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
         b, h = g.effective_block_size, self.layout.hash_block_size
         every = self.layout.config.attention_keys == "every-hash" and self.layout.cache_hit_alignment < b
         unit = h if every else b
-        table_of = self.kv.coordinator.managers[0].tables
+        row_of = self.kv.coordinator.managers[0].row
         for r in self.sched.running:
-            table, start = table_of[r.request_id], self.own_start[r.request_id]
+            table, start = row_of(r.request_id), self.own_start[r.request_id]
             done = min(r.num_computed_tokens, r.hashed_len)
             for n in range(start - start % unit + unit, done + 1, unit):
                 keys = {k for k, _ in self.kv.pool.keys_of(table[(n - 1) // b])}

@@ -230,7 +230,7 @@ def test_mamba_real_block_bound_fires():
     kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
     r = req("r", list(range(12)), kv)
     run_chunks(kv, r, [4])
-    kv.managers[1].tables["r"][0:0] = [kv.pool.allocate(1)[0]]  # an extra state block kept
+    kv.managers[1].requests["r"].row[0:0] = [kv.pool.allocate(1)[0]]  # an extra state block kept
     with pytest.raises(InvariantViolation, match="INV-MAMBA-REAL-BLOCKS"):
         kv.check_request(r)
 
@@ -243,9 +243,9 @@ def test_mamba_real_block_bound_is_cheap_and_catches_a_state_never_released(monk
 
     advance = MambaManager._advance
 
-    def leaky_advance(self, rid, table, index, new_index):
-        advance(self, rid, table, index, new_index)
-        self._superseded.pop(rid, None)  # the bug: the old state is never released
+    def leaky_advance(self, state, new_index):
+        advance(self, state, new_index)
+        state.superseded = -1  # the bug: the old state is never released
 
     kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
     r = req("r", list(range(12)), kv)

@@ -1,4 +1,4 @@
-"""The coordinator's idle steps (``HybridCoordinator._idle_until``): a running request's step
+"""The coordinator's idle steps (``RunningRequest.idle_until``): a running request's step
 that needs no block and keys nothing skips every group's manager. Checked two ways: replays
 with the skip and without it (every manager's ``idle_until`` replaced by the base class's,
 which skips nothing) plan the same steps and leave the pool in the same state after every
@@ -129,7 +129,7 @@ def test_idle_steps_change_nothing(config, trace, num_blocks, budget, eagle, rea
     def noting_the_lowest_bound(self, request, num_computed):
         """After a ``cache`` that did work: which group alone set the idle range (its bound
         below every other group's), so that each manager's bound is seen deciding it."""
-        worked = num_computed > self._idle_until.get(request.request_id, 0)
+        worked = num_computed > self.idle_until(request)
         cache(self, request, num_computed)
         if worked:
             bounds = sorted((m.idle_until(request, num_computed), m.group.kind) for m in self.managers)
@@ -187,7 +187,7 @@ def test_a_claimed_idle_range_that_needs_blocks_is_caught():
     with pytest.raises(InvariantViolation, match="INV-IDLE-STEP.*request 'r', group 0: a step to 9 tokens"):
         run(slow=True)
     kv = run(slow=False)
-    assert len(kv.coordinator.managers[0].tables["r"]) == 2  # the lie went unnoticed: 12 tokens in 8 slots
+    assert len(kv.coordinator.managers[0].row("r")) == 2  # the lie went unnoticed: 12 tokens in 8 slots
 
 
 def _decode(kv, request, prompt_len, end):

@@ -144,7 +144,8 @@ def test_keying_a_boundary_the_block_already_covers_is_an_every_hash_violation()
     r = Request("A", list(range(100, 120)), 4)
     step(kv, r, 4)
     manager = kv.managers[0]
-    manager._keyed["A"] = (0, 0)  # the bug: forget boundary 4
+    state = manager.requests["A"]
+    state.full_keyed = state.partial_keyed = 0  # the bug: forget boundary 4
     kv.begin_step()
     kv.allocate_slots(r, 4)
     r.num_computed_tokens = 8
