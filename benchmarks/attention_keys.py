@@ -27,8 +27,8 @@ from kvproof.cli.layout_args import parse_group  # noqa: E402
 from kvproof.cli.presets import PRESETS  # noqa: E402
 from kvproof.impl.block_pool import BlockPool  # noqa: E402
 from kvproof.impl.kv_cache_manager import KVCacheManager  # noqa: E402
-from kvproof.impl.replay import replay  # noqa: E402
-from kvproof.impl.workload import read_workload  # noqa: E402
+from kvproof.sim.replay import replay  # noqa: E402
+from kvproof.sim.workload import read_workload  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
 
 TRACE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "traces", "mooncake",

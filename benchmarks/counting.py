@@ -8,6 +8,7 @@ import time
 
 from kvproof.impl.request import Request
 from kvproof.impl.scheduler import Scheduler
+from kvproof.sim.drive import drain
 
 
 class CountingMixin:
@@ -50,8 +51,7 @@ def drive(kv, trace, layout, budget: int, on_request=None) -> dict:
             on_request(req)
         sched.add_request(req)
     start = time.perf_counter()
-    while sched.has_unfinished():
-        sched.finish_step(sched.schedule())
+    drain(sched)
     seconds = time.perf_counter() - start
     cached = sum(r.num_cached_tokens or 0 for r in sched.finished)
     prompt = sum(r.num_prompt_tokens for r in sched.finished)

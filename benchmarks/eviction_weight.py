@@ -13,9 +13,9 @@ import dataclasses
 import sys
 
 from kvproof.cli.presets import PRESETS
-from kvproof.impl.workload import read_workload
 from kvproof.planner.memory import ModelMemory, bytes_from_gib, plan_pool
 from kvproof.planner.run import RunOptions, run_config
+from kvproof.sim.workload import read_workload
 from kvproof.spec import eviction
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 

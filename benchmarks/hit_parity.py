@@ -35,9 +35,9 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the table goes to stdout
 
 from kvproof.cli.presets import PRESETS  # noqa: E402
-from kvproof.impl.mooncake import iter_mooncake, to_trace_request  # noqa: E402
-from kvproof.impl.workload import GeneratorSpec, generate  # noqa: E402
 from kvproof.integrations.vllm.parity import SEQUENTIAL, TRACE, ParityOptions, compare  # noqa: E402
+from kvproof.sim.mooncake import iter_mooncake, to_trace_request  # noqa: E402
+from kvproof.sim.workload import GeneratorSpec, generate  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
 
 MOONCAKE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"

@@ -24,8 +24,8 @@ import time
 os.environ.pop("ICONTRACT_SLOW", None)  # staging configuration: cheap tier only
 
 from kvproof.cli.presets import PRESETS  # noqa: E402
-from kvproof.impl.mooncake import iter_mooncake, to_trace_request  # noqa: E402
-from kvproof.impl.replay import replay  # noqa: E402
+from kvproof.sim.mooncake import iter_mooncake, to_trace_request  # noqa: E402
+from kvproof.sim.replay import replay  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
 
 TRACE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"

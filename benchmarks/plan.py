@@ -16,9 +16,9 @@ import argparse
 import time
 
 from kvproof.cli.presets import PRESETS
-from kvproof.impl.workload import read_workload
 from kvproof.planner.memory import GIB, ModelMemory, plan_pool
 from kvproof.planner.run import RunOptions, run_config
+from kvproof.sim.workload import read_workload
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from kvproof.impl.trace import TraceRequest
+from kvproof.sim.trace import TraceRequest
 
 
 def shared_prefix_workload(

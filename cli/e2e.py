@@ -41,11 +41,11 @@ def run(args: argparse.Namespace) -> int:
 
     require("kernels", "this command")  # a MissingExtra: exit 2 (cli/guard.py)
 
-    from kvproof.e2e.dcp import RankError
+    from kvproof.e2e.ranks import RankError
     from kvproof.e2e.model import ModelConfig
     from kvproof.e2e.runner import TOLERANCE, E2EOptions, run_e2e
     from kvproof.impl.scheduler import CapacityError
-    from kvproof.impl.trace import read_trace
+    from kvproof.sim.trace import read_trace
     from kvproof.spec.layout import resolve_layout
 
     try:

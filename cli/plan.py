@@ -135,7 +135,7 @@ def _gib_list(text: str, base: float) -> tuple[float, ...]:
 def _workload(args: argparse.Namespace, max_len: int):
     from importlib import resources
 
-    from kvproof.impl.workload import GeneratorSpec, generate, read_workload
+    from kvproof.sim.workload import GeneratorSpec, generate, read_workload
 
     if args.generate:
         if args.trace is not None:

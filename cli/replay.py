@@ -33,9 +33,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvproof.impl.replay import replay
+    from kvproof.sim.replay import replay
     from kvproof.impl.scheduler import CapacityError
-    from kvproof.impl.trace import read_trace
+    from kvproof.sim.trace import read_trace
     from kvproof.spec.capacity import check_fits_alone
     from kvproof.spec.layout import resolve_layout
 

@@ -1,4 +1,4 @@
-"""Imported by the fork server alone (a preload module of :mod:`kvproof.e2e.dcp`): when the
+"""Imported by the fork server alone (a preload module of :mod:`kvproof.e2e.ranks`): when the
 server ends, remove the temporary directory that holds its socket.
 
 The server ends once its client -- the kvproof process that started it -- and every rank it
@@ -16,7 +16,7 @@ import os
 import shutil
 
 _directory = os.environ.pop("KVPROOF_FORKSERVER_DIR", None)
-if _directory and os.path.basename(_directory).startswith("kvproof-"):  # dcp.SOCKET_DIR_PREFIX
+if _directory and os.path.basename(_directory).startswith("kvproof-"):  # ranks.SOCKET_DIR_PREFIX
     _server = os.getpid()
 
     def _remove_socket_directory() -> None:

@@ -21,16 +21,17 @@ from typing import Optional
 
 import torch
 
-from kvproof.e2e.dcp import SingleRank, spawn_ranks
+from kvproof.e2e.communicators import SingleRank
 from kvproof.e2e.faults import Faults
 from kvproof.e2e.model import ModelConfig, TinyHybridModel, layer_specs
 from kvproof.e2e.paged_cache import bytes_per_block
+from kvproof.e2e.ranks import spawn_ranks
 from kvproof.e2e.reference import computed_tokens, reference_logits
 from kvproof.e2e.worker import ChunkWork, Worker, WorkerStep
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
 from kvproof.impl.scheduler import Scheduler, StepPlan
-from kvproof.impl.trace import TraceRequest
+from kvproof.sim.trace import TraceRequest
 from kvproof.spec.capacity import check_fits_alone
 from kvproof.spec.layout import Layout, LayoutConfig, resolve_layout
 

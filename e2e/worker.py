@@ -54,7 +54,7 @@ class WorkerStep:
 
 class Worker:
     """Mutable: request rows, block tables and cache memory of one rank. ``comm`` is this
-    rank's communicator (:class:`~kvproof.e2e.dcp.GlooRanks` or ``SingleRank``)."""
+    rank's communicator (:class:`~kvproof.e2e.communicators.GlooRanks` or ``SingleRank``)."""
 
     def __init__(
         self,

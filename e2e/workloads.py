@@ -3,7 +3,7 @@ docs/e2e.md; ``python -m kvproof.e2e.workloads`` prints them as a trace file).""
 
 from __future__ import annotations
 
-from kvproof.impl.trace import TraceRequest, dump_trace
+from kvproof.sim.trace import TraceRequest, dump_trace
 
 #: A shared "system prompt".
 SYSTEM = tuple(range(500, 530))

@@ -8,10 +8,10 @@ import logging
 
 from kvproof.impl.block_pool import BlockPool
 from kvproof.impl.eviction import EvictionValuer
+from kvproof.impl.fixpoint import fixpoint
 from kvproof.impl.managers import MANAGER_FOR_KIND, SingleTypeManager, StepLedger
 from kvproof.impl.request import Request
 from kvproof.spec.contracts import InvariantViolation, slow
-from kvproof.spec.joint_hit import fixpoint
 from kvproof.spec.layout import Layout
 from kvproof.spec.groups import GroupKind
 
@@ -33,6 +33,23 @@ class Hit:
     num_tokens: int
     blocks: tuple[list[int], ...]
     junctions: tuple[int, ...] = ()
+
+
+class RunningRequest:
+    """What the coordinator keeps about an admitted request (from ``allocate`` on its hit to
+    ``free``): being here is what "running" means.
+
+    ``junctions``: its admission hit's (``Hit.junctions``). ``idle_until``: the token count up
+    to which its steps need no block and key nothing in any group
+    (``SingleTypeManager.idle_until``, taken after each ``cache`` that did work): those steps
+    skip the managers. Most decode steps are such steps.
+    """
+
+    __slots__ = ("junctions", "idle_until")
+
+    def __init__(self, junctions: tuple[int, ...]) -> None:
+        self.junctions = junctions
+        self.idle_until = 0
 
 
 class HybridCoordinator:
@@ -82,18 +99,34 @@ class HybridCoordinator:
         self.miss = Hit(0, tuple([] for _ in self.managers))
         #: Longest request every group's worker row can hold (checked in full only above it).
         self._max_tokens = min(m.max_tokens for m in self.managers)
-        #: request id -> the token count up to which its steps need no block and key nothing in
-        #: any group (``SingleTypeManager.idle_until``, taken after each ``cache`` that did
-        #: work): those steps skip the managers. Most decode steps are such steps.
-        self._idle_until: dict[str, int] = {}
+        #: The admitted requests, by id (``RunningRequest``).
+        self._running: dict[str, RunningRequest] = {}
         #: What an idle step allocates: no entries in any group (never mutated).
         self._no_entries: tuple[list[int], ...] = tuple([] for _ in self.managers)
+
+    # --- queries --------------------------------------------------------------------------------
+
+    def is_running(self, request: Request) -> bool:
+        """Whether ``request`` is admitted (allocated on its hit, not freed since)."""
+        return request.request_id in self._running
+
+    def junctions(self, request: Request) -> tuple[int, ...]:
+        """The junctions of a running request's admission hit (``Hit.junctions``; () for one
+        that is not running). No state change."""
+        running = self._running.get(request.request_id)
+        return running.junctions if running is not None else ()
+
+    def idle_until(self, request: Request) -> int:
+        """The token count up to which a running request's steps skip the managers
+        (``RunningRequest.idle_until``; 0 for one that is not running). No state change."""
+        running = self._running.get(request.request_id)
+        return running.idle_until if running is not None else 0
 
     # --- lookup ---------------------------------------------------------------------------------
 
     def find_longest_hit(self, request: Request, bound: int) -> Hit:
         """The largest N <= ``bound`` that every group can restore, and the junctions beyond it
-        (no state change). Computed by :func:`kvproof.spec.joint_hit.fixpoint` over the groups'
+        (no state change). Computed by :func:`kvproof.impl.fixpoint.fixpoint` over the groups'
         finders (why it is the largest and why it ends: its docstring), attention first, so
         it takes two passes in practice: attention narrows the candidate, Mamba lowers it to a
         stored state, attention accepts that.
@@ -129,43 +162,56 @@ class HybridCoordinator:
         coarse = covered - covered % self._first_block - unit
         return (coarse, longest) if hit < coarse < longest else (longest,)
 
+    # --- the step -----------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Mutates. Settle the finished step (its copies ran: drop the hit references that kept
+        their sources) and open the next (``StepLedger.open``)."""
+        refs = self.ledger.open()
+        if refs:
+            self.pool.free(refs, None if self.valuer is None else self.valuer.by_length(self.pool, refs))
+
     # --- allocation -----------------------------------------------------------------------------
 
-    def blocks_needed(self, request: Request, total_tokens: int, hit: Hit | None) -> int:
-        """Free-queue blocks ``allocate`` would take (``hit`` None: a running request). No state
-        change."""
-        if hit is None:
+    def blocks_needed(self, request: Request, total_tokens: int, hit: Hit | None = None) -> int:
+        """Free-queue blocks ``allocate`` would take (``hit``: a waiting request's, None for a
+        miss; a running request's is ignored). No state change."""
+        if request.request_id in self._running:
             return sum(m.grow_needed(request, total_tokens) for m in self.managers)
+        hit = hit if hit is not None else self.miss
         return sum(
             m.blocks_needed(request, total_tokens, hit.num_tokens, bl) for m, bl in zip(self.managers, hit.blocks)
         )
 
-    def allocate(self, request: Request, total_tokens: int, hit: Hit | None) -> tuple[list[int], ...] | None:
-        """Mutates unless it returns None. Blocks for ``total_tokens`` tokens in every group
-        (``hit`` None: a running request), or None with nothing changed when the pool cannot
-        supply them all (INV-ALLOC-ATOMIC). Every group's row width is checked before any
-        group is touched (INV-TABLE-WIDTH)."""
+    def allocate(self, request: Request, total_tokens: int, hit: Hit | None = None) -> tuple[list[int], ...] | None:
+        """Mutates unless it returns None. Blocks for ``total_tokens`` tokens in every group:
+        a running request grows; any other is admitted on ``hit`` (None: a miss). None with
+        nothing changed when the pool cannot supply them all (INV-ALLOC-ATOMIC). Every group's
+        row width is checked before any group is touched (INV-TABLE-WIDTH)."""
         if total_tokens > self._max_tokens:
             for m in self.managers:
                 m.check_width(request, total_tokens)
         managers = self.managers
-        if hit is None:
-            if total_tokens <= self._idle_until.get(request.request_id, 0):
+        running = self._running.get(request.request_id)
+        if running is not None:
+            if total_tokens <= running.idle_until:
                 if slow():
                     self._check_idle(request, total_tokens)
                 return self._no_entries
-            if self.blocks_needed(request, total_tokens, None) > self.pool.num_free:
+            if sum(m.grow_needed(request, total_tokens) for m in managers) > self.pool.num_free:
                 return None
             return tuple([m.grow(request, total_tokens) for m in managers])
+        hit = hit if hit is not None else self.miss
         if self.blocks_needed(request, total_tokens, hit) > self.pool.num_free:
             return None
         # Take every group's hit blocks out of the free queue before any group allocates, or a
         # fresh allocation could evict (and reuse) an evictable block another group just hit.
         self.pool.touch([b for bl in hit.blocks for b in bl])
-        n = hit.num_tokens
+        n, junctions = hit.num_tokens, hit.junctions
         if self.valuer is not None:
             self.valuer.note_resume(request.request_id, n)
-        return tuple([m.allocate(request, total_tokens, n, bl) for m, bl in zip(managers, hit.blocks)])
+        self._running[request.request_id] = RunningRequest(junctions)
+        return tuple([m.allocate(request, total_tokens, n, bl, junctions) for m, bl in zip(managers, hit.blocks)])
 
     def _check_idle(self, request: Request, total_tokens: int) -> None:
         """INV-IDLE-STEP (slow tier): a step the coordinator skips needs no block in any group."""
@@ -175,24 +221,24 @@ class HybridCoordinator:
                 raise InvariantViolation(
                     "INV-IDLE-STEP",
                     f"request {request.request_id!r}, group {m.group_id}: a step to {total_tokens} tokens was skipped "
-                    f"as idle (idle until {self._idle_until[request.request_id]}) but needs {need} blocks",
+                    f"as idle (idle until {self.idle_until(request)}) but needs {need} blocks",
                 )
 
     # --- after the step -------------------------------------------------------------------------
 
     def cache(self, request: Request, num_computed: int) -> None:
         """Mutates. Key what the step computed in every group, unless the request is idle there."""
-        rid = request.request_id
-        if num_computed <= self._idle_until.get(rid, 0):
+        running = self._running[request.request_id]  # the facade refuses a request not running
+        if num_computed <= running.idle_until:
             return
         managers = self.managers
         for m in managers:
             m.cache(request, num_computed)
-        self._idle_until[rid] = min([m.idle_until(request, num_computed) for m in managers])
+        running.idle_until = min([m.idle_until(request, num_computed) for m in managers])
 
     def free(self, request: Request) -> None:
-        """Mutates. Release every block of ``request`` in every group."""
-        self._idle_until.pop(request.request_id, None)
+        """Mutates. Release every block of ``request`` in every group; it is no longer running."""
+        self._running.pop(request.request_id, None)
         for m in self.managers:
             m.free(request)
 

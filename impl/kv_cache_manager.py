@@ -39,7 +39,6 @@ class KVCacheManager:
         self.managers = self.coordinator.managers
         self._mamba_managers = [m for m in self.managers if isinstance(m, MambaManager)]
         self._step = 0
-        self._running_tables = self.managers[0].tables  # a request is running iff it has a row
         self._in_flight: set[str] = set()  # allocated this step, not yet cached
         self._max_model_len = layout.config.max_model_len
         self.num_copies = 0
@@ -92,10 +91,17 @@ class KVCacheManager:
 
     def block_table(self, request: Request) -> tuple[list[int], ...]:
         """The request's current block list per group (copies; for tests and the oracle)."""
-        return tuple(list(m.tables.get(request.request_id, ())) for m in self.managers)
+        return tuple(list(m.row(request.request_id)) for m in self.managers)
 
     def is_running(self, request: Request) -> bool:
-        return request.request_id in self._running_tables
+        """Whether ``request`` is admitted: allocated on its hit and not freed since."""
+        return self.coordinator.is_running(request)
+
+    def junctions(self, request: Request) -> tuple[int, ...]:
+        """Where a running request branches off cached content: its admission hit's
+        ``Hit.junctions`` (its prefill chunks stop there; retention keeps the states). No
+        state change."""
+        return self.coordinator.junctions(request)
 
     # --- verbs ----------------------------------------------------------------------------------
 
@@ -106,13 +112,7 @@ class KVCacheManager:
             raise InvariantViolation(
                 "INV-STEP-PROTOCOL", f"begin_step while requests {sorted(self._in_flight)} were allocated but not cached"
             )
-        ledger = self.coordinator.ledger
-        if ledger.copies:
-            raise InvariantViolation("INV-STEP-PROTOCOL", f"{len(ledger.copies)} block copies were never taken")
-        if ledger.retained:
-            retained = ledger.retained
-            self.pool.free(retained, None if self.valuer is None else self.valuer.by_length(self.pool, retained))
-        ledger.reset()
+        self.coordinator.begin_step()
         self._step += 1
 
     def allocate_slots(self, request: Request, num_new_tokens: int, hit: Optional[Hit] = None) -> Optional[tuple[list[int], ...]]:
@@ -127,7 +127,7 @@ class KVCacheManager:
                 f"request {request.request_id!r} was already allocated this step; "
                 "a request gets one allocate_slots per step, and cache() after its forward pass"
             )
-        running = request.request_id in self._running_tables
+        running = self.coordinator.is_running(request)
         if running:
             if hit is not None and hit.num_tokens:
                 raise ValueError(f"request {request.request_id!r} is running; a running request takes no hit")
@@ -145,7 +145,7 @@ class KVCacheManager:
                 f"request {request.request_id!r}: {total} tokens exceed max_model_len {self._max_model_len}"
             )
         free_before = self.pool.num_free
-        result = self.coordinator.allocate(request, total, None if running else hit)
+        result = self.coordinator.allocate(request, total, hit)
         if result is None:
             if self.pool.num_free != free_before:
                 raise InvariantViolation("INV-ALLOC-ATOMIC", f"request {request.request_id!r}: a failed allocation changed the pool")
@@ -160,15 +160,14 @@ class KVCacheManager:
     def take_block_copies(self) -> list[tuple[int, int, int]]:
         """Mutates. The step's copies ``(group_id, src, dst)`` in order; run them on every rank
         before the forward pass (each rank copies its own shard or replica)."""
-        ledger = self.coordinator.ledger
-        copies, ledger.copies = ledger.copies, []
+        copies = self.coordinator.ledger.take_copies()
         self.num_copies += len(copies)
         return copies
 
     def cache(self, request: Request) -> None:
         """Mutates. After the forward pass: key what it computed (``request.num_computed_tokens``
         must already count the step's tokens) and release blocks the step no longer needs."""
-        if request.request_id not in self._running_tables:
+        if not self.coordinator.is_running(request):
             raise ValueError(
                 f"request {request.request_id!r} holds no blocks (freed, or never allocated); "
                 "cache() follows its allocate_slots, before free()"
@@ -208,8 +207,8 @@ class KVCacheManager:
                 m.check_keys()
         holders: dict[int, int] = {}
         for m in self.managers:
-            for table in m.tables.values():
-                for b in table:
+            for state in m.requests.values():
+                for b in state.row:
                     if b:
                         holders[b] = holders.get(b, 0) + 1
         for b, n in holders.items():

@@ -17,7 +17,7 @@ class Request:
 
     __slots__ = (
         "request_id", "num_prompt_tokens", "token_ids", "hasher", "num_computed_tokens",
-        "num_cached_tokens", "cache_salt", "arrival", "expected_outputs", "num_preemptions", "junctions",
+        "num_cached_tokens", "cache_salt", "arrival", "expected_outputs", "num_preemptions",
     )
 
     def __init__(
@@ -45,9 +45,6 @@ class Request:
         #: The trace's outputs: sampling returns these, one per completed step.
         self.expected_outputs = tuple(expected_outputs)
         self.num_preemptions = 0
-        #: Shared-prefix junctions its latest lookup found (``Hit.junctions``): its prefill
-        #: chunks stop there and retention keeps the states.
-        self.junctions: tuple[int, ...] = ()
 
     @property
     def block_hashes(self) -> list[bytes]:

@@ -46,6 +46,7 @@ class ScheduledChunk:
     num_tokens: int
     new_blocks: tuple[list[int], ...]  # per group: entries to append to the worker row
     overwrite: bool  # a (re)admitted request: ``new_blocks`` is its whole row
+    junctions: tuple[int, ...] = ()  # a (re)admitted request's: its hit's (``Hit.junctions``)
 
 
 @dataclasses.dataclass
@@ -105,11 +106,15 @@ class Scheduler:
 
     # --- one step -------------------------------------------------------------------------------
 
-    def _chunk_end(self, request: Request, start: int, num_new: int) -> int:
-        """Where this step's chunk ends (``start``: the request waits for a later step)."""
+    def _chunk_end(self, request: Request, start: int, num_new: int, junctions: Optional[tuple[int, ...]] = None) -> int:
+        """Where this step's chunk ends (``start``: the request waits for a later step).
+        ``junctions``: those of the hit a waiting request is admitted on (None: a running
+        request, whose admission hit's the manager keeps)."""
         if start + 1 == request.num_tokens or self._splitter is None:
             return start + num_new  # a decode step, or no Mamba state to place
-        return self._splitter.end(start, num_new, request.num_tokens, request.num_prompt_tokens, request.junctions)
+        if junctions is None:
+            junctions = self.kv.junctions(request)
+        return self._splitter.end(start, num_new, request.num_tokens, request.num_prompt_tokens, junctions)
 
     def _chunk_cap(self) -> int:
         """Tokens one chunk may take this step before the budget: the long-prefill threshold
@@ -183,14 +188,13 @@ class Scheduler:
             return None
         fallbacks = self.kv.cheaper_hits(req, hit) if alone else iter(())
         while True:
-            req.junctions = hit.junctions
             start = hit.num_tokens
-            end = self._chunk_end(req, start, min(req.num_tokens - start, limit))
+            end = self._chunk_end(req, start, min(req.num_tokens - start, limit), hit.junctions)
             if end == start:
                 return None
             blocks = self.kv.allocate_slots(req, end - start, hit)
             if blocks is not None:
-                return ScheduledChunk(req, start, end - start, blocks, overwrite=True)
+                return ScheduledChunk(req, start, end - start, blocks, overwrite=True, junctions=hit.junctions)
             hit = next(fallbacks, None)
             if hit is None:
                 if alone:

@@ -12,11 +12,11 @@ import sys
 import time
 from typing import Callable, Optional
 
-from kvproof.impl.workload import Workload
 from kvproof.planner.diagnose import Diagnosis, diagnose, recommend
 from kvproof.planner.memory import ModelMemory, PoolPlan, gib, plan_pool
 from kvproof.planner.reuse import reusable_fraction
 from kvproof.planner.run import ConfigReport, RunOptions, config_layout, run_config
+from kvproof.sim.workload import Workload
 from kvproof.spec.layout import Layout, LayoutConfig, resolve_layout
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from kvproof.impl.trace import TraceRequest
+from kvproof.sim.trace import TraceRequest
 
 DEFAULT_MAX_TOKENS = 20_000_000
 

@@ -7,11 +7,11 @@ import dataclasses
 import time
 from typing import Callable, Optional
 
-from kvproof.impl.replay import replay
 from kvproof.impl.request import Request
 from kvproof.impl.scheduler import Scheduler, StepPlan
-from kvproof.impl.workload import Workload
 from kvproof.planner.memory import PoolPlan, expand_groups, largest_request, table_bytes_per_gpu
+from kvproof.sim.replay import replay
+from kvproof.sim.workload import Workload
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 
 

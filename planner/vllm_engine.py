@@ -13,9 +13,9 @@ import time
 from typing import Callable, Optional
 
 from kvproof.extras import require
-from kvproof.impl.workload import Workload
 from kvproof.planner.memory import PoolPlan, largest_request, table_bytes_per_gpu
 from kvproof.planner.run import ConfigReport, RunOptions, _per_layout_group, config_layout
+from kvproof.sim.workload import Workload
 from kvproof.spec.layout import LayoutConfig
 
 

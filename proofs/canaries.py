@@ -21,14 +21,14 @@ def old_mamba_width(dcp: int, block_size: int, max_len: int, spec_blocks: int) -
     return cdiv(max_len, block_size * dcp) + spec_blocks
 
 
-def partial_rule_strict_under_dcp(groups: tuple[CacheGroup, ...], dcp: int, hash_size: int) -> bool:
+def partial_rule_strict_under_dcp(groups: tuple[CacheGroup, ...], dcp: int, hash_block_size: int) -> bool:
     """SEEDED BUG: the partial-hit rule with the TP comparison ``block_size > H`` under DCP too."""
     mamba_ok = any(
-        g.kind is GroupKind.MAMBA and g.mamba_cache_mode is MambaCacheMode.ALIGN and g.block_size > hash_size
+        g.kind is GroupKind.MAMBA and g.mamba_cache_mode is MambaCacheMode.ALIGN and g.block_size > hash_block_size
         for g in groups
     )
     coarse = any(
-        g.prefix_cacheable and not g.kind.supports_fine_grained_lookup and effective_block_size(g, dcp) != hash_size
+        g.prefix_cacheable and not g.kind.supports_fine_grained_lookup and effective_block_size(g, dcp) != hash_block_size
         for g in groups
     )
     return mamba_ok and not coarse

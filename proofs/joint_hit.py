@@ -14,7 +14,7 @@ Each realisation is first checked on its own: ``spec.usable`` accepts exactly th
 group's kind says it can restore, stated here from the docs (each realisation's ``rule``). Then, for
 every ordered tuple of 1-3 groups, three numbers must agree: the largest length in every set
 (the reference), ``spec.joint_hit`` with its contracts on (INV-HIT-BOUND: a multiple of A, at
-most the bound and the hashed length), and ``spec.joint_hit.fixpoint``, the loop
+most the bound and the hashed length), and ``impl.fixpoint.fixpoint``, the loop
 ``impl.coordinator.find_longest_hit`` calls (each finder returns the largest length <= its input
 in its set; passes repeat until none lowers the candidate), which must stop within
 ``bound / A + 1`` passes -- and within two when every group but one is downward closed and the
@@ -35,8 +35,9 @@ from typing import Callable, Iterator, Optional
 
 import icontract
 
+from kvproof.impl.fixpoint import fixpoint
 from kvproof.proofs.registry import CHECKED, ERROR, INCOMPLETE, REFUTED, Obligation, Outcome, violation_summary
-from kvproof.spec.joint_hit import ATTENTION, MAMBA, WINDOW, GroupView, fixpoint, joint_hit, usable
+from kvproof.spec.joint_hit import ATTENTION, MAMBA, WINDOW, GroupView, joint_hit, usable
 
 #: The hash block size: 1, so every alignment in scope is valid and every length is hashed.
 HASH = 1
@@ -130,7 +131,7 @@ Fixpoint = Callable[[list[Callable[[int], int]], int], tuple[int, int]]
 
 
 def coordinator_fixpoint(finders: list[Callable[[int], int]], start: int) -> tuple[int, int]:
-    """The loop ``impl.coordinator.find_longest_hit`` runs: :func:`kvproof.spec.joint_hit.fixpoint`
+    """The loop ``impl.coordinator.find_longest_hit`` runs: :func:`kvproof.impl.fixpoint.fixpoint`
     itself (the coordinator calls it), over finders that carry no block lists."""
     hit, _, _, passes = fixpoint([lambda n, find=find: (find(n), None) for find in finders], start)
     return hit, passes

@@ -10,6 +10,7 @@ from __future__ import annotations
 import z3
 
 from kvproof.proofs.z3kit import Lemma, clamp, divmod_def, grid, lemma_obligation
+from kvproof.spec.arith import cdiv
 from kvproof.spec.geometry import max_num_blocks_per_req
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.placement import local_position, local_seq_len, owner_rank, table_index
@@ -252,7 +253,7 @@ LOCAL_LEN_BOUND_BALANCE = Lemma(
     | _lsl_values(x["n"], x["r2"], x["dcp"], x["il"], "2")
     | {"fr": x["n"] // (x["dcp"] * x["il"]), "rest": x["n"] % (x["dcp"] * x["il"])}
     | dict(zip(("nq", "nr"), divmod(-x["n"], x["dcp"] * x["il"])))
-    | {"cap": -(-x["n"] // (x["dcp"] * x["il"])) * x["il"]},
+    | {"cap": cdiv(x["n"], x["dcp"] * x["il"]) * x["il"]},
     samples=grid(**SMALL, n=range(0, 16), r1=range(0, 3), r2=range(1, 4)),
 )
 

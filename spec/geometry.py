@@ -160,7 +160,7 @@ def _lone_append_only(groups: tuple[CacheGroup, ...]) -> bool:
     return len(groups) == 1 and groups[0].kind in (GroupKind.FULL_ATTENTION, GroupKind.MLA)
 
 
-def mamba_allows_partial_hits(group: CacheGroup, dcp: int, hash_size: int) -> bool:
+def mamba_allows_partial_hits(group: CacheGroup, dcp: int, hash_block_size: int) -> bool:
     """The Mamba half of the rule: hash boundaries must fall strictly inside (TP) or on the
     grid of (DCP) an align-mode Mamba block.
 
@@ -170,10 +170,10 @@ def mamba_allows_partial_hits(group: CacheGroup, dcp: int, hash_size: int) -> bo
     """
     if group.kind is not GroupKind.MAMBA or group.mamba_cache_mode is not MambaCacheMode.ALIGN:
         return False
-    return group.block_size > hash_size if dcp == 1 else group.block_size >= hash_size
+    return group.block_size > hash_block_size if dcp == 1 else group.block_size >= hash_block_size
 
 
-def _restores_every_hash_boundary(group: CacheGroup, dcp: int, hash_size: int) -> bool:
+def _restores_every_hash_boundary(group: CacheGroup, dcp: int, hash_block_size: int) -> bool:
     """Whether ``group`` can hand back a prefix ending at every multiple N of H, judged from
     where the placement puts N: at a block boundary (N is the first position of a block id)
     every kind can; inside a block only a kind that can look up a partial block can. One period
@@ -182,26 +182,26 @@ def _restores_every_hash_boundary(group: CacheGroup, dcp: int, hash_size: int) -
         return True
     sharded = group.is_sharded
     for k in range(1, group.block_size * (dcp if sharded else 1) + 1):
-        n = k * hash_size
+        n = k * hash_block_size
         if table_index(n, group.block_size, dcp, sharded) == table_index(n - 1, group.block_size, dcp, sharded):
             return False  # N - 1 and N share a block: the hit would end inside it
     return True
 
 
-def _hash_boundary_inside_a_mamba_block(groups: tuple[CacheGroup, ...], dcp: int, hash_size: int) -> bool:
+def _hash_boundary_inside_a_mamba_block(groups: tuple[CacheGroup, ...], dcp: int, hash_block_size: int) -> bool:
     """Some align-mode Mamba group has a multiple of H strictly inside one of its blocks (TP), or,
     under DCP, a block that is a whole number (>= 1) of hash blocks."""
     for g in groups:
         if g.kind is not GroupKind.MAMBA or g.mamba_cache_mode is not MambaCacheMode.ALIGN:
             continue
-        if dcp == 1 and any(n % hash_size == 0 for n in range(1, g.block_size)):
+        if dcp == 1 and any(n % hash_block_size == 0 for n in range(1, g.block_size)):
             return True
-        if dcp > 1 and g.block_size % hash_size == 0:
+        if dcp > 1 and g.block_size % hash_block_size == 0:
             return True
     return False
 
 
-def _hash_boundary_inside_the_only_attention_block(groups: tuple[CacheGroup, ...], dcp: int, hash_size: int) -> bool:
+def _hash_boundary_inside_the_only_attention_block(groups: tuple[CacheGroup, ...], dcp: int, hash_block_size: int) -> bool:
     """The layout is one full-attention / MLA group and a multiple of H lies strictly inside one
     of its blocks (between two positions the placement puts in the same block)."""
     if len(groups) != 1 or groups[0].kind not in (GroupKind.FULL_ATTENTION, GroupKind.MLA):
@@ -209,11 +209,11 @@ def _hash_boundary_inside_the_only_attention_block(groups: tuple[CacheGroup, ...
     g = groups[0]
     return any(
         table_index(n, g.block_size, dcp, g.is_sharded) == table_index(n - 1, g.block_size, dcp, g.is_sharded)
-        for n in range(hash_size, g.block_size * dcp + 1, hash_size)
+        for n in range(hash_block_size, g.block_size * dcp + 1, hash_block_size)
     )
 
 
-def _partial_rule_holds(groups, dcp, hash_size, allow, result) -> bool:
+def _partial_rule_holds(groups, dcp, hash_block_size, allow, result) -> bool:
     """INV-GEOM-PARTIAL-RULE from first principles: hits at hash granularity are on only if asked
     for, only if every prefix-cacheable group can hand back a prefix ending at every multiple of
     H, and only if a group gains from them: a Mamba group, or a lone attention group whose
@@ -222,16 +222,16 @@ def _partial_rule_holds(groups, dcp, hash_size, allow, result) -> bool:
         return True
     return (
         allow
-        and all(_restores_every_hash_boundary(g, dcp, hash_size) for g in groups if g.prefix_cacheable)
+        and all(_restores_every_hash_boundary(g, dcp, hash_block_size) for g in groups if g.prefix_cacheable)
         and (
-            _hash_boundary_inside_a_mamba_block(groups, dcp, hash_size)
-            or _hash_boundary_inside_the_only_attention_block(groups, dcp, hash_size)
+            _hash_boundary_inside_a_mamba_block(groups, dcp, hash_block_size)
+            or _hash_boundary_inside_the_only_attention_block(groups, dcp, hash_block_size)
         )
     )
 
 
 @icontract.ensure(
-    lambda groups, dcp, hash_size, allow, result: _partial_rule_holds(groups, dcp, hash_size, allow, result),
+    lambda groups, dcp, hash_block_size, allow, result: _partial_rule_holds(groups, dcp, hash_block_size, allow, result),
     "INV-GEOM-PARTIAL-RULE: partial hits only when asked for, when every prefix-cacheable group can "
     "restore a prefix ending at any multiple of H, and when an align Mamba block holds a hash "
     "boundary strictly inside it (TP) or is a whole number of hash blocks (DCP), or a hash "
@@ -239,51 +239,51 @@ def _partial_rule_holds(groups, dcp, hash_size, allow, result) -> bool:
     enabled=True,
 )
 @icontract.ensure(
-    lambda groups, dcp, hash_size, result: not result.enabled
-    or all(effective_block_size(g, dcp) % hash_size == 0 for g in groups if g.prefix_cacheable),
+    lambda groups, dcp, hash_block_size, result: not result.enabled
+    or all(effective_block_size(g, dcp) % hash_block_size == 0 for g in groups if g.prefix_cacheable),
     "INV-GEOM-PARTIAL-GRID: with partial hits on, every hash boundary inside a block lies on "
     "the hash grid of every prefix-cacheable group (H divides each B_g)",
     enabled=True,
 )
 def partial_hash_hits(
-    groups: tuple[CacheGroup, ...], dcp: int, hash_size: int, allow: bool = True
+    groups: tuple[CacheGroup, ...], dcp: int, hash_block_size: int, allow: bool = True
 ) -> PartialHitDecision:
     """Decide whether prefix-cache hits may land at hash (H) granularity."""
     if not allow:
         return PartialHitDecision(False, "partial hash hits turned off by the caller")
-    if _lone_append_only(groups) and hash_size < effective_block_size(groups[0], dcp):
+    if _lone_append_only(groups) and hash_block_size < effective_block_size(groups[0], dcp):
         return PartialHitDecision(
-            True, f"one append-only attention group hashed finer than its block: hits land on multiples of the hash block size {hash_size}"
+            True, f"one append-only attention group hashed finer than its block: hits land on multiples of the hash block size {hash_block_size}"
         )
-    if not any(mamba_allows_partial_hits(g, dcp, hash_size) for g in groups):
+    if not any(mamba_allows_partial_hits(g, dcp, hash_block_size) for g in groups):
         cmp = ">" if dcp == 1 else ">="
         return PartialHitDecision(
-            False, f"no align-mode Mamba group with block size {cmp} hash block size {hash_size}"
+            False, f"no align-mode Mamba group with block size {cmp} hash block size {hash_block_size}"
         )
     coarse = [
         (i, g) for i, g in enumerate(groups)
         if g.prefix_cacheable
         and not g.kind.supports_fine_grained_lookup
-        and effective_block_size(g, dcp) != hash_size
+        and effective_block_size(g, dcp) != hash_block_size
     ]
     if coarse:
         names = ", ".join(f"group {i} ({g.label}, effective block {effective_block_size(g, dcp)})" for i, g in coarse)
         warning = (
             f"falling back to block-aligned prefix-cache hits: {names} cannot look up hits finer "
-            f"than its block and its effective block size differs from the hash block size {hash_size}"
+            f"than its block and its effective block size differs from the hash block size {hash_block_size}"
         )
         return PartialHitDecision(False, warning, warning)
-    return PartialHitDecision(True, f"hits land on multiples of the hash block size {hash_size}")
+    return PartialHitDecision(True, f"hits land on multiples of the hash block size {hash_block_size}")
 
 
 @icontract.ensure(
-    lambda scheduler_size, hash_size, result: scheduler_size % result == 0 and result % hash_size == 0,
+    lambda scheduler_size, hash_block_size, result: scheduler_size % result == 0 and result % hash_block_size == 0,
     "INV-GEOM-HIT-ALIGN: H divides the cache-hit alignment A, and A divides S",
     enabled=True,
 )
-def cache_hit_alignment(scheduler_size: int, hash_size: int, partial: bool) -> int:
+def cache_hit_alignment(scheduler_size: int, hash_block_size: int, partial: bool) -> int:
     """A: hits land on multiples of H with partial hits, else on whole scheduler blocks."""
-    return hash_size if partial else scheduler_size
+    return hash_block_size if partial else scheduler_size
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,20 +13,20 @@ given ``has(N)``: "a key for the N-token prefix exists in this group":
 EAGLE groups must also cover one more unit (the draft recomputes it). The joint hit is the
 largest N <= the bound that is a multiple of the cache-hit alignment and usable in every group.
 The implementation (``kvproof.impl.coordinator``) computes the same number by a fixpoint of
-fast per-group finders; the state machines compare the two.
+fast per-group finders (``kvproof.impl.fixpoint``); the state machines and the exhaustive check
+``EXH-JOINT-FIXPOINT`` (proofs/joint_hit.py) compare the two.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence, TypeVar
+from typing import Callable
 
 import icontract
 
 from kvproof.spec.arith import floor_to
 
 Has = Callable[[int], bool]
-T = TypeVar("T")
 
 ATTENTION, MAMBA, WINDOW = "attention", "mamba", "window"
 
@@ -42,7 +42,7 @@ class GroupView:
     window: int = 0  # sliding window, tokens
 
 
-def usable(view: GroupView, n: int, hash_size: int, hashed_len: int) -> bool:
+def usable(view: GroupView, n: int, hash_block_size: int, hashed_len: int) -> bool:
     """Whether ``view``'s group can restore the first ``n`` tokens."""
     if n == 0:
         return True
@@ -62,51 +62,21 @@ def usable(view: GroupView, n: int, hash_size: int, hashed_len: int) -> bool:
     if need % b == 0:
         return True
     block_end = min((need // b + 1) * b, hashed_len)
-    return any(has(m) for m in range(floor_to(need + hash_size - 1, hash_size), block_end + 1, hash_size))
+    return any(has(m) for m in range(floor_to(need + hash_block_size - 1, hash_block_size), block_end + 1, hash_block_size))
 
 
 @icontract.require(
     lambda bound, hashed_len: bound >= 0 and hashed_len >= 0,
     error=lambda bound, hashed_len: ValueError(f"bound {bound} and hashed_len {hashed_len} must be >= 0"),
 )
-@icontract.require(lambda alignment, hash_size: alignment % hash_size == 0)
+@icontract.require(lambda alignment, hash_block_size: alignment % hash_block_size == 0)
 @icontract.ensure(
     lambda bound, alignment, hashed_len, result: result % alignment == 0 and 0 <= result <= min(bound, hashed_len),
     "INV-HIT-BOUND: the hit is a multiple of A, at most the bound (num_tokens - 1) and the hashed length",
 )
-def joint_hit(views: tuple[GroupView, ...], bound: int, alignment: int, hash_size: int, hashed_len: int) -> int:
+def joint_hit(views: tuple[GroupView, ...], bound: int, alignment: int, hash_block_size: int, hashed_len: int) -> int:
     """The largest N that every group can restore (O(bound / A) candidates; a reference)."""
     n = floor_to(max(min(bound, hashed_len), 0), alignment)
-    while n > 0 and not all(usable(v, n, hash_size, hashed_len) for v in views):
+    while n > 0 and not all(usable(v, n, hash_block_size, hashed_len) for v in views):
         n -= alignment
     return n
-
-
-def fixpoint(finders: Sequence[Callable[[int], tuple[int, T]]], candidate: int) -> tuple[int, list[T], int, int]:
-    """The joint hit as the coordinator computes it: passes over per-group finders until a
-    pass lowers nothing. Each finder maps a candidate to the largest length <= it that its
-    group can restore (and what realises it). Returns ``(hit, payloads, longest, passes)``:
-    the payloads of the final pass, ``longest`` the largest single-group answer seen (the
-    first finder's first answer: no answer exceeds its input), and the number of passes.
-
-    Why it is the largest jointly restorable length J: J <= candidate initially, and a finder
-    given c >= J returns >= J (J is restorable in its group and <= c); at the end every finder
-    accepted the candidate, so it is jointly restorable, hence J. Why it ends: every pass that
-    does not end the loop strictly lowers the candidate, a non-negative integer (with lengths on
-    an alignment grid A, at most ``candidate / A + 1`` passes). ``impl.coordinator`` calls this
-    function; ``proofs/joint_hit.py`` checks it exhaustively. No state change.
-    """
-    payloads: list = [None] * len(finders)
-    longest, passes = 0, 0
-    if candidate <= 0:
-        return 0, payloads, 0, 0
-    while True:
-        before, passes = candidate, passes + 1
-        for i, find in enumerate(finders):
-            candidate, payloads[i] = find(candidate)
-            if candidate > longest:
-                longest = candidate
-            if candidate <= 0:
-                return 0, payloads, longest, passes
-        if candidate == before:
-            return candidate, payloads, longest, passes

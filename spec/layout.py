@@ -91,6 +91,14 @@ class Layout:
     def partial_hash_hits(self) -> bool:
         return self.partial.enabled
 
+    def eagle_unit(self, group: GroupLayout) -> int:
+        """Tokens an EAGLE draft recomputes at the end of a hit, which an attention ``group``
+        must therefore cover beyond the hit: one hash block when hits may end inside the group's
+        blocks (the cache-hit alignment is finer than its effective block), else one whole
+        effective block (docs/coordinator.md, "The joint hit")."""
+        b = group.effective_block_size
+        return self.hash_block_size if self.cache_hit_alignment < b else b
+
 
 def _positive_int(name: str, value: object, upper: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

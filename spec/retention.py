@@ -32,32 +32,33 @@ from kvproof.spec.chunk_split import checkpoint_position, replay_boundaries, sta
 class RetentionRule:
     """A layout's retention: the interval (None = dense) and the sizes it is measured in.
 
-    ``block`` is the Mamba block, ``alignment`` the cache-hit alignment A (H with partial hits,
-    else the scheduler block S), ``scheduler_block`` S. ``eagle`` shifts reachable positions down
-    (the draft recomputes the last unit); ``hash_block`` and ``lookahead`` place the tail.
+    ``effective_block_size`` is the Mamba group's block B_g, ``alignment`` the cache-hit
+    alignment A (H with partial hits, else the scheduler block size S), ``scheduler_block_size``
+    S. ``eagle`` shifts reachable positions down (the draft recomputes the last unit);
+    ``hash_block_size`` and ``lookahead`` place the tail.
     """
 
     interval: int | None
-    block: int
-    hash_block: int
+    effective_block_size: int
+    hash_block_size: int
     alignment: int
-    scheduler_block: int
+    scheduler_block_size: int
     eagle: bool = False
     lookahead: int = 0
 
     def __post_init__(self) -> None:
         if self.interval is not None and (not isinstance(self.interval, int) or self.interval < 0):
             raise ValueError(f"retention interval {self.interval!r} must be None or a non-negative integer")
-        for name in ("block", "hash_block", "alignment", "scheduler_block"):
+        for name in ("effective_block_size", "hash_block_size", "alignment", "scheduler_block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)!r} must be positive")
 
 
 @functools.lru_cache(maxsize=4096)
-def _tail_checkpoint(num_prompt_tokens: int, hash_block: int, eagle: bool, lookahead: int) -> int:
+def _tail_checkpoint(num_prompt_tokens: int, hash_block_size: int, eagle: bool, lookahead: int) -> int:
     """``checkpoint_position`` of a prompt, remembered: the manager asks at every kept-candidate
     chunk end, and the contract-checked call costs far more than the arithmetic."""
-    return checkpoint_position(num_prompt_tokens, hash_block, eagle, lookahead)
+    return checkpoint_position(num_prompt_tokens, hash_block_size, eagle, lookahead)
 
 
 def keeps_state(
@@ -70,8 +71,8 @@ def keeps_state(
 ) -> bool:
     """Whether the state after ``n`` tokens (a chunk end) stays cached.
 
-    Kept: the prompt's tail checkpoint; block-aligned states (``n % block == 0``) at segment
-    boundaries and at the block below every reachable boundary (replay boundaries, junctions,
+    Kept: the prompt's tail checkpoint; block-aligned states (``n % effective_block_size == 0``)
+    at segment boundaries and at the block below every reachable boundary (replay boundaries, junctions,
     and with EAGLE one block below a junction); a state inside a block exactly at a junction
     inside the prompt with ``exact_junction``. Dense retention keeps everything.
     """
@@ -79,13 +80,13 @@ def keeps_state(
         return False
     if rule.interval is None:
         return True
-    if n == _tail_checkpoint(num_prompt_tokens, rule.hash_block, rule.eagle, rule.lookahead):
+    if n == _tail_checkpoint(num_prompt_tokens, rule.hash_block_size, rule.eagle, rule.lookahead):
         return True  # the prompt's tail: where a sibling replaying the whole prompt resumes
-    b = rule.block
+    b = rule.effective_block_size
     if n % b == 0:
         if rule.interval and (rule.interval <= b or n % rule.interval == 0):
             return True
-        reachable = list(replay_boundaries(num_prompt_tokens, rule.scheduler_block, rule.eagle))
+        reachable = list(replay_boundaries(num_prompt_tokens, rule.scheduler_block_size, rule.eagle))
         for j in junctions:
             reachable.append(j)
             if rule.eagle:

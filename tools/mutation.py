@@ -73,6 +73,8 @@ TESTS = {
     "spec/retention.py": ("tests/impl/test_retention.py", "tests/spec/test_mutants.py"),
     "spec/joint_hit.py": ("tests/spec/test_joint_hit.py", "tests/proofs/test_pool_and_hit_checks.py",
                           "tests/impl/test_coordinator_machine.py"),
+    "impl/fixpoint.py": ("tests/impl/test_fixpoint.py", "tests/proofs/test_pool_and_hit_checks.py",
+                         "tests/impl/test_coordinator_machine.py"),
 }
 #: The scheduler side: scenarios first (a killed mutant stops at its first failure), the
 #: coordinator's state machine (30 examples under the mutation profile) last.

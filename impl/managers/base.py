@@ -1,5 +1,6 @@
-"""What every single-type manager shares: the per-request block tables, the per-step ledger of
-copies and retained references, and freeing."""
+"""What every single-type manager shares: a request's state in one group (``GroupRequest``: its
+row and the manager's bookkeeping, one object created on admission and dropped on free), the
+step's ledger (copies, hit references, blocks allocated and keyed), and freeing."""
 
 from __future__ import annotations
 
@@ -14,27 +15,50 @@ from kvproof.spec.layout import GroupLayout
 
 
 class StepLedger:
-    """Block copies ordered in the current scheduler step, shared by every manager.
+    """The state of the current scheduler step, shared by every manager: opened by
+    :meth:`open` (the facade's ``begin_step``), which settles the step before it.
 
     Copies run on every rank at the *start* of the step, before the forward pass, as one
     batch. So a copy source must already hold its tokens when the step begins, and no copy may
     read a block another copy of the same step writes (INV-COW-SOURCE-READY). Blocks allocated
-    or keyed during this step are recorded to check exactly that.
+    or keyed during this step are recorded to check exactly that. A copy's source is held by
+    the copying request's hit reference (``hit_refs``) until the copy has run: the next
+    ``open`` hands those references back to be dropped.
     """
 
-    __slots__ = ("copies", "retained", "allocated", "keyed", "_copy_srcs", "_copy_dsts")
+    __slots__ = ("copies", "hit_refs", "allocated", "keyed", "_copy_srcs", "_copy_dsts")
 
     def __init__(self) -> None:
-        self.reset()
+        self._clear()
 
-    def reset(self) -> None:
-        """Mutates. Forget the finished step (its copies have been taken and run)."""
+    def _clear(self) -> None:
         self.copies: list[tuple[int, int, int]] = []  # (group_id, src, dst), in order
-        self.retained: list[int] = []  # references to drop once the step has run
+        self.hit_refs: list[int] = []  # copy sources' hit references, dropped once the step has run
         self.allocated: set[int] = set()  # blocks handed out this step (no contents yet)
         self.keyed: set[int] = set()  # blocks given a key this step
         self._copy_srcs: set[int] = set()
         self._copy_dsts: set[int] = set()
+
+    def open(self) -> list[int]:
+        """Mutates. Settle the finished step (its copies must have been taken: they ran) and
+        open the next; returns the hit references the finished step's copies held, for the
+        caller to drop."""
+        if self.copies:
+            raise InvariantViolation("INV-STEP-PROTOCOL", f"{len(self.copies)} block copies were never taken")
+        refs = self.hit_refs
+        self._clear()
+        return refs
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """Mutates. The step's copies ``(group_id, src, dst)`` in order, handed out once."""
+        copies, self.copies = self.copies, []
+        return copies
+
+    def copy_from_hit(self, group_id: int, request_id: str, src: int, dst: int) -> None:
+        """Record a copy whose source is a hit block the request holds only for the copy: its
+        reference is dropped once the step has run."""
+        self.add_copy(group_id, request_id, src, dst)
+        self.hit_refs.append(src)
 
     def add_copy(self, group_id: int, request_id: str, src: int, dst: int) -> None:
         """Record a copy ``src -> dst`` (INV-COW-SOURCE-READY checked here, O(1))."""
@@ -59,12 +83,24 @@ class StepLedger:
         self._copy_dsts.add(dst)
 
 
-class SingleTypeManager:
-    """Block tables of one cache group. Subclasses define lookup, sizing and caching.
+class GroupRequest:
+    """A request's state in one group: its ``row`` (one entry per effective block,
+    ``NULL_BLOCK`` where nothing is kept; the worker's block-table row for this group) and what
+    the group's manager keeps about it (subclasses add their fields). Created when the request
+    is admitted, dropped when it is freed."""
 
-    ``tables[request_id]`` is the request's row in this group, one entry per effective block
-    (``NULL_BLOCK`` where nothing is kept). A request without a row is admitted
-    (``blocks_needed`` / ``allocate``, with its hit); a request with one grows (``grow_needed`` /
+    __slots__ = ("row",)
+
+    def __init__(self, row: list[int]) -> None:
+        self.row = row
+
+
+class SingleTypeManager:
+    """The admitted requests of one cache group. Subclasses define lookup, sizing and caching.
+
+    ``requests[request_id]`` is the request's state in this group (a :class:`GroupRequest`).
+    The coordinator decides whether a request is running: one that is not is admitted
+    (``blocks_needed`` / ``allocate``, with its hit); one that is grows (``grow_needed`` /
     ``grow``). Verbs mutate; ``find_hit`` and the ``*_needed`` queries do not.
     """
 
@@ -91,7 +127,7 @@ class SingleTypeManager:
         self.pool = pool
         self.ledger = ledger
         self.use_eagle = use_eagle
-        self.tables: dict[str, list[int]] = {}
+        self.requests: dict[str, GroupRequest] = {}
         #: The compute eviction policy's valuer (set by the coordinator; None under lru).
         self.valuer: EvictionValuer | None = None
 
@@ -111,7 +147,7 @@ class SingleTypeManager:
     def grow_needed(self, request: Request, total_tokens: int) -> int:
         """Free-queue blocks ``grow`` would take for a request with a row (this default: the
         blocks its row lacks). No state change."""
-        return max(self.row_length(total_tokens) - len(self.tables[request.request_id]), 0)
+        return max(self.row_length(total_tokens) - len(self.requests[request.request_id].row), 0)
 
     def keyed_lengths(self, request: Request, start: int, end: int) -> Sequence[int]:
         """The lengths in ``(start, end]`` at which, once a chunk computing ``[start, end)`` of
@@ -152,15 +188,23 @@ class SingleTypeManager:
 
     # --- verbs ----------------------------------------------------------------------------------
 
-    def allocate(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> list[int]:
-        """Mutates. Give a request without a row, resuming after its hit of ``hit_len`` tokens on
-        ``hit_blocks``, a row for ``total_tokens`` tokens; returns the whole row."""
+    def row(self, request_id: str) -> list[int]:
+        """The request's row in this group (empty when it is not admitted). No state change."""
+        state = self.requests.get(request_id)
+        return state.row if state is not None else []
+
+    def allocate(
+        self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int], junctions: tuple[int, ...],
+    ) -> list[int]:
+        """Mutates. Admit a request, resuming after its hit of ``hit_len`` tokens on
+        ``hit_blocks`` (``junctions``: the hit's, ``Hit.junctions``): its state in this group,
+        with a row for ``total_tokens`` tokens; returns the whole row."""
         raise NotImplementedError
 
     def grow(self, request: Request, total_tokens: int) -> list[int]:
         """Mutates. Extend a running request's row to ``total_tokens`` tokens; returns the
         entries to append to the worker row (this default: fresh blocks at the end)."""
-        return self._grow(self.tables[request.request_id], total_tokens)
+        return self._grow(self.requests[request.request_id].row, total_tokens)
 
     def cache(self, request: Request, num_computed: int) -> None:
         """Mutates. Key what the forward pass just computed (called after the step ran)."""
@@ -168,7 +212,8 @@ class SingleTypeManager:
 
     def free(self, request: Request) -> None:
         """Mutates. Drop the request's references, tail first (its tail is evicted first)."""
-        table = self.tables.pop(request.request_id, None)
+        state = self.requests.pop(request.request_id, None)
+        table = state.row if state is not None else None
         if table:
             blocks = [b for b in reversed(table) if b != NULL_BLOCK]
             self.pool.free(blocks, None if self.valuer is None else self._release_values(request, table, blocks))

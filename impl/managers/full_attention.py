@@ -4,9 +4,22 @@
 from __future__ import annotations
 
 from kvproof.impl.hashing import key_at
-from kvproof.impl.managers.base import SingleTypeManager
+from kvproof.impl.managers.base import GroupRequest, SingleTypeManager
 from kvproof.impl.request import Request
 from kvproof.spec.contracts import InvariantViolation
+
+
+class AttentionRequest(GroupRequest):
+    """A request in an attention group: its row, and how far it is keyed (``full_keyed``: the
+    leading blocks that have their full-block keys; ``partial_keyed``: the last hash boundary
+    given a partial key, 0 if none)."""
+
+    __slots__ = ("full_keyed", "partial_keyed")
+
+    def __init__(self, row: list[int], full_keyed: int, partial_keyed: int) -> None:
+        super().__init__(row)
+        self.full_keyed = full_keyed
+        self.partial_keyed = partial_keyed
 
 
 class FullAttentionManager(SingleTypeManager):
@@ -32,8 +45,7 @@ class FullAttentionManager(SingleTypeManager):
         self._every_hash = self._probe_partial and attention_keys == "every-hash"
         #: EAGLE: the draft recomputes one hash unit (one block when hits are block-aligned).
         self.eagle_unit = (h if self._probe_partial else b) if self.use_eagle else 0
-        # request id -> (full blocks keyed, partial boundary keyed)
-        self._keyed: dict[str, tuple[int, int]] = {}
+        self.requests: dict[str, AttentionRequest] = {}
 
     # --- lookup ---------------------------------------------------------------------------------
 
@@ -87,7 +99,9 @@ class FullAttentionManager(SingleTypeManager):
         cow = 1 if hit_len % self.block_size else 0
         return max(self.row_length(total_tokens) - len(hit_blocks), 0) + cow + self._evictable(hit_blocks)
 
-    def allocate(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> list[int]:
+    def allocate(
+        self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int], junctions: tuple[int, ...],
+    ) -> list[int]:
         rid = request.request_id
         table = list(hit_blocks)  # the coordinator has touched them
         if hit_len % self.block_size:
@@ -95,32 +109,30 @@ class FullAttentionManager(SingleTypeManager):
             # first ``hit_len % B`` positions (on every rank's shard) and append to that.
             src = table[-1]
             [dst] = self._fresh(1)
-            self.ledger.add_copy(self.group_id, rid, src, dst)
-            self.ledger.retained.append(src)  # our hit reference, dropped after the copy ran
+            self.ledger.copy_from_hit(self.group_id, rid, src, dst)  # our hit reference, dropped after the copy ran
             table[-1] = dst
-        self.tables[rid] = table
         # Every-hash keying starts after the hit: the boundaries below it already have keys (on
         # the hit's blocks), and the copy-on-write block's would only duplicate them.
-        self._keyed[rid] = (hit_len // self.block_size, hit_len if self._every_hash else 0)
+        self.requests[rid] = AttentionRequest(table, hit_len // self.block_size, hit_len if self._every_hash else 0)
         self._grow(table, total_tokens)
         return list(table)
 
     # --- caching --------------------------------------------------------------------------------
 
     def cache(self, request: Request, num_computed: int) -> None:
-        rid = request.request_id
-        table = self.tables[rid]
+        state = self.requests[request.request_id]
+        table = state.row
         b, h = self.block_size, self.hash_block_size
         hashes = request.block_hashes
         limit = min(num_computed, len(hashes) * h)
-        if limit < self._next_key(rid):
+        if limit < self._next_key(state):
             return  # nothing new to key (most decode steps)
-        full_done, partial_done = self._keyed[rid]
+        full_done, partial_done = state.full_keyed, state.partial_keyed
         full = limit // b
         boundary = limit - limit % h
         if self._every_hash:
             self._key_every_hash(table, hashes, partial_done, boundary)
-            self._keyed[rid] = (max(full, full_done), boundary)
+            state.full_keyed, state.partial_keyed = max(full, full_done), boundary
             return
         self._key_full_blocks(request, table, full_done, full, keep_prefixes=True)
         if self._probe_partial and boundary % b and boundary > partial_done:
@@ -128,22 +140,21 @@ class FullAttentionManager(SingleTypeManager):
             if self.pool.cache_partial(blk, key_at(hashes, boundary, h, self.group_id), boundary, keep_prefixes=True):
                 self.ledger.keyed.add(blk)
             partial_done = boundary
-        self._keyed[rid] = (max(full, full_done), partial_done)
+        state.full_keyed, state.partial_keyed = max(full, full_done), partial_done
 
-    def _next_key(self, rid: str) -> int:
-        """The least hashed length at which ``cache`` has something new to key for ``rid``: the
-        end of the first block without its full key or, with partial hits, the hash boundary
-        after the last one keyed. No state change."""
-        full_done, partial_done = self._keyed[rid]
-        nxt = (full_done + 1) * self.block_size
+    def _next_key(self, state: AttentionRequest) -> int:
+        """The least hashed length at which ``cache`` has something new to key for this
+        request: the end of the first block without its full key or, with partial hits, the
+        hash boundary after the last one keyed. No state change."""
+        nxt = (state.full_keyed + 1) * self.block_size
         if self._probe_partial:
-            nxt = min(nxt, partial_done + self.hash_block_size)  # partial_done is a hash boundary (or 0)
+            nxt = min(nxt, state.partial_keyed + self.hash_block_size)  # a hash boundary (or 0)
         return nxt
 
     def idle_until(self, request: Request, num_computed: int) -> int:
         """Until the row is full or there is something to key, whichever comes first."""
-        rid = request.request_id
-        return min(len(self.tables[rid]) * self.block_size, self._next_key(rid) - 1)
+        state = self.requests[request.request_id]
+        return min(len(state.row) * self.block_size, self._next_key(state) - 1)
 
     def _key_every_hash(self, table: list[int], hashes, done: int, boundary: int) -> None:
         """Mutates. Key every hash boundary in ``(done, boundary]`` on the block holding it, one
@@ -175,8 +186,8 @@ class FullAttentionManager(SingleTypeManager):
         distinct (each key must cover more than the block did), so a block carries at most
         ``B / H`` keys (``block_size * dcp / H`` for a sharded group). No state change."""
         b, h, keys_of = self.block_size, self.hash_block_size, self.pool.keys_of
-        for rid, table in self.tables.items():
-            for j, blk in enumerate(table):
+        for rid, state in self.requests.items():
+            for j, blk in enumerate(state.row):
                 lengths = [n for _, n in keys_of(blk)]
                 if any(n % h or not j * b < n <= (j + 1) * b for n in lengths):
                     raise InvariantViolation(
@@ -184,7 +195,3 @@ class FullAttentionManager(SingleTypeManager):
                         f"group {self.group_id}, request {rid!r}: block {blk} at row index {j} has keys of lengths "
                         f"{lengths}; expected at most {b // h} multiples of H={h} in ({j * b}, {(j + 1) * b}]",
                     )
-
-    def free(self, request: Request) -> None:
-        self._keyed.pop(request.request_id, None)
-        super().free(request)

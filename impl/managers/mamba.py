@@ -3,14 +3,44 @@ every DCP rank, kept in the block at index ``cdiv(n, B) - 1`` after ``n`` comput
 
 from __future__ import annotations
 
-from typing import Sequence
+import sys
+from typing import Optional, Sequence
 
 from kvproof.impl.block_pool import NULL_BLOCK
 from kvproof.impl.hashing import key_at
-from kvproof.impl.managers.base import SingleTypeManager
+from kvproof.impl.managers.base import GroupRequest, SingleTypeManager
 from kvproof.impl.request import Request
 from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.retention import RetentionRule, keeps_state
+
+
+class MambaRequest(GroupRequest):
+    """A request in a Mamba group: its row and
+
+    * ``state_index``: the row index of the block holding its state (>= 0 once ``allocate``
+      returns: a request computes a token);
+    * ``junctions``: its admission hit's (``Hit.junctions``), where retention keeps states;
+    * ``checked_below``: the row index below which every entry was checked to be the null
+      block (entries below the state are never made real again), so INV-MAMBA-REAL-BLOCKS
+      costs O(entries the state passed since the last check);
+    * ``released``: compute policy only, the cached states it released while running (block,
+      key), requeued when it ends so they are not evicted before the attention chain they
+      complete;
+    * for the running step, settled by ``cache``: ``pending_move`` (its cached state block and
+      the copy the key moves to once the step has run) and ``superseded`` (the row index of
+      the old state, which the step still reads, -1 if none).
+    """
+
+    __slots__ = ("state_index", "junctions", "checked_below", "released", "pending_move", "superseded")
+
+    def __init__(self, row: list[int], state_index: int, junctions: tuple[int, ...]) -> None:
+        super().__init__(row)
+        self.state_index = state_index
+        self.junctions = junctions
+        self.checked_below = -1  # not checked yet
+        self.released: list[tuple[int, object]] = []
+        self.pending_move: Optional[tuple[int, int]] = None
+        self.superseded = -1
 
 
 class MambaManager(SingleTypeManager):
@@ -31,33 +61,23 @@ class MambaManager(SingleTypeManager):
         self, *args, retention_interval: int | None, scheduler_block_size: int, exact_junction: bool, **kwargs,
     ) -> None:
         super().__init__(*args, **kwargs)
-        if not self.group.prefix_cacheable:
-            # Mode 'none': one state block for the whole request, never keyed.
-            self.block_size = 1 << 62
+        #: Mode 'none': one state block for the whole request, never keyed.
+        self._one_state = not self.group.prefix_cacheable
         self._spec = self.group.num_speculative_blocks
         self.retention = RetentionRule(
             retention_interval, self.block_size, self.hash_block_size, self.alignment,
             scheduler_block_size, eagle=self.use_eagle,
         )
         self.exact_junction = exact_junction
-        # request id -> state block index (>= 0 once ``allocate`` returns: a request computes a token)
-        self._state_index: dict[str, int] = {}
-        # request id -> (cached state block, its copy): key moves once the step has run
-        self._pending_move: dict[str, tuple[int, int]] = {}
-        # request id -> row index of the old state, which the running step still reads;
-        # released once it has run
-        self._superseded: dict[str, list[int]] = {}
-        # request id -> row index below which every entry was checked to be the null block
-        # (entries below the state are never made real again), so INV-MAMBA-REAL-BLOCKS costs
-        # O(entries the request's state passed since the last check)
-        self._checked_below: dict[str, int] = {}
         self._real_limit = 1 + self.group.num_speculative_blocks
-        #: Compute policy: cached states a running request released (block, key), requeued when
-        #: it ends so they are not evicted before the attention chain they complete.
-        self._released: dict[str, list[tuple[int, object]]] = {}
+        self.requests: dict[str, MambaRequest] = {}
 
     def row_length(self, total_tokens: int) -> int:
-        return -(-total_tokens // self.block_size) + self._spec
+        return self._state_index_after(total_tokens) + 1 + self._spec
+
+    @property
+    def max_tokens(self) -> int:
+        return sys.maxsize if self._one_state else super().max_tokens
 
     # --- lookup ---------------------------------------------------------------------------------
 
@@ -85,7 +105,9 @@ class MambaManager(SingleTypeManager):
 
     def _state_index_after(self, num_tokens: int) -> int:
         """The row index of the block holding the state after ``num_tokens`` tokens (that of the
-        last token)."""
+        last token; -1 before the first): in mode 'none' always the first."""
+        if self._one_state:
+            return 0 if num_tokens else -1
         return -(-num_tokens // self.block_size) - 1
 
     def _fresh_needed(self, table: list[int], index: int, new_index: int) -> int:
@@ -103,14 +125,16 @@ class MambaManager(SingleTypeManager):
         return cow + self._fresh_needed(hit_blocks, len(hit_blocks) - 1, new_index) + self._evictable(hit_blocks)
 
     def grow_needed(self, request: Request, total_tokens: int) -> int:
-        rid = request.request_id
-        table, index = self.tables[rid], self._state_index[rid]
+        state = self.requests[request.request_id]
+        table, index = state.row, state.state_index
         new_index = self._state_index_after(total_tokens)
         if new_index > index:
             return self._fresh_needed(table, index, new_index)
         return 1 if self.pool.key_of(table[new_index]) is not None else 0
 
-    def allocate(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> list[int]:
+    def allocate(
+        self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int], junctions: tuple[int, ...],
+    ) -> list[int]:
         rid = request.request_id
         table = list(hit_blocks)
         index = len(table) - 1
@@ -118,34 +142,33 @@ class MambaManager(SingleTypeManager):
             # The next chunk may write this block index in place: work on a copy.
             src = table[index]
             [dst] = self._fresh(1)
-            self.ledger.add_copy(self.group_id, rid, src, dst)
-            self.ledger.retained.append(src)
+            self.ledger.copy_from_hit(self.group_id, rid, src, dst)
             table[index] = dst
-        self.tables[rid] = table
-        self._state_index[rid] = index
-        self._advance(rid, table, index, self._state_index_after(total_tokens))
+        state = self.requests[rid] = MambaRequest(table, index, junctions)
+        self._advance(state, self._state_index_after(total_tokens))
         return list(table)
 
     def grow(self, request: Request, total_tokens: int) -> list[int]:
-        rid = request.request_id
-        table, index = self.tables[rid], self._state_index[rid]
+        state = self.requests[request.request_id]
+        table = state.row
         new_index = self._state_index_after(total_tokens)
-        if new_index > index:
+        if new_index > state.state_index:
             start = len(table)
-            self._advance(rid, table, index, new_index)
+            self._advance(state, new_index)
             return table[start:]
-        state = table[index]
-        if self.pool.key_of(state) is not None:
+        block = table[state.state_index]
+        if self.pool.key_of(block) is not None:
             # Running owner writes its cached state block in place: copy the cached state out
             # first (at step start, while the block still holds it).
             [copy] = self._fresh(1)
-            self.ledger.add_copy(self.group_id, rid, state, copy)
-            self._pending_move[rid] = (state, copy)
+            self.ledger.add_copy(self.group_id, request.request_id, block, copy)
+            state.pending_move = (block, copy)
         return []
 
-    def _advance(self, rid: str, table: list[int], index: int, new_index: int) -> None:
+    def _advance(self, state: MambaRequest, new_index: int) -> None:
         """Mutates. Grow the row so the state sits at ``new_index`` with its scratch blocks,
         moving scratch blocks that fall below it into the new positions."""
+        table, index = state.row, state.state_index
         length = len(table)
         first_real = max(length, new_index)
         moved = []
@@ -155,33 +178,35 @@ class MambaManager(SingleTypeManager):
         placed = new_index + self._spec + 1 - first_real
         table.extend([NULL_BLOCK] * (first_real - length))
         table.extend(moved + self._fresh(placed - len(moved)))  # placed >= len(moved): see _relocatable
-        self._state_index[rid] = new_index
+        state.state_index = new_index
         if 0 <= index < new_index and table[index] != NULL_BLOCK:
-            self._superseded[rid] = [index]
+            state.superseded = index
 
     # --- after the step -------------------------------------------------------------------------
 
     def cache(self, request: Request, num_computed: int) -> None:
         rid = request.request_id
-        table = self.tables[rid]
+        state = self.requests[rid]
+        table = state.row
         pool = self.pool
-        moved = self._pending_move.pop(rid, None)
+        moved = state.pending_move
         if moved is not None:
-            state, copy = moved
-            pool.move_key(state, copy)
+            state.pending_move = None
+            cached, copy = moved
+            pool.move_key(cached, copy)
             pool.free([copy], self._values(rid, [copy]))  # the copy is held by the cache only: evictable, hittable
             if self.valuer is not None:
-                self._released.setdefault(rid, []).append((copy, pool.key_of(copy)))
-        index = self._state_index[rid]
+                state.released.append((copy, pool.key_of(copy)))
+        index = state.state_index
         # Release the old state: the step that read it ran.
-        below = self._superseded.pop(rid, None)
-        if below:
-            released = [table[i] for i in reversed(below)]
-            pool.free(released, self._values(rid, released))
-            if self.valuer is not None:
-                self._released.setdefault(rid, []).extend((x, pool.key_of(x)) for x in released if pool.key_of(x) is not None)
-            for i in below:
-                table[i] = NULL_BLOCK
+        below = state.superseded
+        if below >= 0:
+            state.superseded = -1
+            old = table[below]
+            pool.free([old], self._values(rid, [old]))
+            if self.valuer is not None and pool.key_of(old) is not None:
+                state.released.append((old, pool.key_of(old)))
+            table[below] = NULL_BLOCK
         n, b, h = num_computed, self.block_size, self.hash_block_size
         expected_index = self._state_index_after(n)
         if expected_index != index:
@@ -190,9 +215,9 @@ class MambaManager(SingleTypeManager):
                 f"request {rid!r}, group {self.group_id}: state after {n} tokens must be at index "
                 f"{expected_index}, the table's state is at {index}",
             )
-        if self._checked_below.get(rid) != index or len(table) - index > self._real_limit:
+        if state.checked_below != index or len(table) - index > self._real_limit:
             self.check_real_blocks(request)  # INV-MAMBA-REAL-BLOCKS, skipped when nothing moved
-        if not self._keeps(request, n):
+        if not self._keeps(request, state.junctions, n):
             return
         block = table[index]
         key = key_at(request.block_hashes, n, h, self.group_id)
@@ -208,12 +233,14 @@ class MambaManager(SingleTypeManager):
         """Until the state leaves its block or reaches a hash boundary (where ``_keeps`` may
         key it); never while the state block is cached (the next step writes it in place and
         must copy it first) or a copy or a release is pending."""
-        rid = request.request_id
-        if rid in self._pending_move or rid in self._superseded:
+        state = self.requests[request.request_id]
+        if state.pending_move is not None or state.superseded >= 0:
             return num_computed
-        index = self._state_index[rid]
-        if self.pool.key_of(self.tables[rid][index]) is not None:
+        index = state.state_index
+        if self.pool.key_of(state.row[index]) is not None:
             return num_computed
+        if self._one_state:
+            return sys.maxsize  # the state never leaves its block and is never keyed
         until = (index + 1) * self.block_size
         if self.group.prefix_cacheable:
             h = self.hash_block_size
@@ -232,19 +259,23 @@ class MambaManager(SingleTypeManager):
     def _release_values(self, request: Request, table: list[int], blocks: list[int]) -> list[float]:
         return self._values(request.request_id, blocks)
 
-    def _keeps(self, request: Request, n: int) -> bool:
+    def _keeps(self, request: Request, junctions: tuple[int, ...], n: int) -> bool:
         """Whether the state after ``n`` computed tokens is keyed (retention, ``spec.retention``);
         only ever on a hash boundary (``idle_until`` relies on it)."""
-        if n % self.hash_block_size or n > request.hashed_len or not self.group.prefix_cacheable:
+        if n % self.hash_block_size or n > request.hashed_len or self._one_state:
             return False
         if n % self.block_size and n > request.num_prompt_tokens:
             return False  # past the prompt a state mid-block is the running one: not a checkpoint
         return keeps_state(n, self.retention, num_prompt_tokens=request.num_prompt_tokens,
-                           junctions=request.junctions, exact_junction=self.exact_junction)
+                           junctions=junctions, exact_junction=self.exact_junction)
 
     def keyed_lengths(self, request: Request, start: int, end: int) -> Sequence[int]:
-        """Only the state the chunk ends on, if it is kept."""
-        return (end,) if end > start and end % self.alignment == 0 and self._keeps(request, end) else ()
+        """Only the state the chunk ends on, if it is kept (by an admitted request's junctions;
+        one that is not admitted has none yet)."""
+        if end > start and end % self.alignment == 0:
+            state = self.requests.get(request.request_id)
+            return (end,) if self._keeps(request, state.junctions if state is not None else (), end) else ()
+        return ()
 
     def check_real_blocks(self, request: Request) -> None:
         """INV-MAMBA-REAL-BLOCKS: between steps a request holds at most ``1 + speculative`` real
@@ -255,15 +286,16 @@ class MambaManager(SingleTypeManager):
     def check_rows(self, in_flight: set[str]) -> None:
         """INV-MAMBA-REAL-BLOCKS for every row (whole-state check): a request allocated this
         step and not yet cached may also hold the old state its step reads (``2 + speculative``)."""
-        for rid in self.tables:
+        for rid in self.requests:
             self._check_row(rid, during_step=rid in in_flight)
 
     def _check_row(self, rid: str, during_step: bool) -> None:
-        table = self.tables.get(rid)
-        if not table:
+        state = self.requests.get(rid)
+        if state is None or not state.row:
             return
-        index = max(self._state_index[rid], 0)
-        low = self._checked_below.get(rid, 0)
+        table = state.row
+        index = max(state.state_index, 0)
+        low = max(state.checked_below, 0)
         limit = self._real_limit + during_step
         stray = [i for i in range(low, min(index, len(table))) if table[i] != NULL_BLOCK]
         real = len(stray) + sum(1 for x in table[index:] if x != NULL_BLOCK)
@@ -275,18 +307,16 @@ class MambaManager(SingleTypeManager):
                 f"request {rid!r}, group {self.group_id}: {real} real state blocks {when} > {limit}{where}",
             )
         if not during_step:  # the old state below the index is still real during the step
-            self._checked_below[rid] = max(index, low)
+            state.checked_below = max(index, low)
 
     def free(self, request: Request) -> None:
         rid = request.request_id
-        moved = self._pending_move.pop(rid, None)
-        if moved is not None:
-            self.pool.free([moved[1]], self._values(rid, [moved[1]]))
-        self._state_index.pop(rid, None)
-        self._superseded.pop(rid, None)
-        self._checked_below.pop(rid, None)
-        released = self._released.pop(rid, None)
-        if released:  # still the states this request cached (not evicted and reused since)
-            mine = [b for b, k in released if self.pool.key_of(b) == k]
-            self.pool.requeue(mine, self._values(rid, mine))
+        state = self.requests.get(rid)
+        if state is not None:
+            if state.pending_move is not None:
+                copy = state.pending_move[1]
+                self.pool.free([copy], self._values(rid, [copy]))
+            if state.released:  # still the states this request cached (not evicted and reused since)
+                mine = [b for b, k in state.released if self.pool.key_of(b) == k]
+                self.pool.requeue(mine, self._values(rid, mine))
         super().free(request)

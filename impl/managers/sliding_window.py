@@ -5,8 +5,19 @@ from __future__ import annotations
 
 from kvproof.impl.block_pool import NULL_BLOCK
 from kvproof.impl.hashing import key_at
-from kvproof.impl.managers.base import SingleTypeManager
+from kvproof.impl.managers.base import GroupRequest, SingleTypeManager
 from kvproof.impl.request import Request
+
+
+class WindowRequest(GroupRequest):
+    """A request in a sliding-window group: its row, and the leading blocks that have their
+    full-block keys (``full_keyed``)."""
+
+    __slots__ = ("full_keyed",)
+
+    def __init__(self, row: list[int], full_keyed: int) -> None:
+        super().__init__(row)
+        self.full_keyed = full_keyed
 
 
 class SlidingWindowManager(SingleTypeManager):
@@ -17,7 +28,7 @@ class SlidingWindowManager(SingleTypeManager):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.window = self.group.sliding_window
-        self._keyed: dict[str, int] = {}
+        self.requests: dict[str, WindowRequest] = {}
 
     def _first_needed(self, n: int) -> int:
         return max(0, n - (self.window - 1)) // self.block_size
@@ -44,20 +55,20 @@ class SlidingWindowManager(SingleTypeManager):
     def blocks_needed(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> int:
         return max(self.row_length(total_tokens) - len(hit_blocks), 0) + self._evictable(hit_blocks)
 
-    def allocate(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> list[int]:
-        rid = request.request_id
+    def allocate(
+        self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int], junctions: tuple[int, ...],
+    ) -> list[int]:
         table = list(hit_blocks)  # the coordinator has touched them
-        self.tables[rid] = table
-        self._keyed[rid] = hit_len // self.block_size
+        self.requests[request.request_id] = WindowRequest(table, hit_len // self.block_size)
         self._grow(table, total_tokens)
         return list(table)
 
     def cache(self, request: Request, num_computed: int) -> None:
-        rid = request.request_id
-        table = self.tables[rid]
+        state = self.requests[request.request_id]
+        table = state.row
         full = min(num_computed, request.hashed_len) // self.block_size
-        self._key_full_blocks(request, table, self._keyed[rid], full)
-        self._keyed[rid] = max(full, self._keyed[rid])
+        self._key_full_blocks(request, table, state.full_keyed, full)
+        state.full_keyed = max(full, state.full_keyed)
         # Blocks wholly before the next token's window are no longer read.
         out = [j for j in range(self._first_needed(num_computed)) if table[j] != NULL_BLOCK]
         if out:
@@ -69,10 +80,6 @@ class SlidingWindowManager(SingleTypeManager):
     def idle_until(self, request: Request, num_computed: int) -> int:
         """Until the row is full, a block is complete (to key), or the window passes the
         end of the next block to release."""
-        rid, b = request.request_id, self.block_size
+        state, b = self.requests[request.request_id], self.block_size
         slide = (self._first_needed(num_computed) + 1) * b + self.window - 1
-        return min(len(self.tables[rid]) * b, (self._keyed[rid] + 1) * b - 1, slide - 1)
-
-    def free(self, request: Request) -> None:
-        self._keyed.pop(request.request_id, None)
-        super().free(request)
+        return min(len(state.row) * b, (state.full_keyed + 1) * b - 1, slide - 1)

@@ -75,9 +75,9 @@ from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from kvproof.impl.trace import TraceRequest  # noqa: E402
 from kvproof.integrations.vllm.kv_specs import kv_cache_config_for  # noqa: E402
 from kvproof.integrations.vllm.tiny_model import tiny_model_dir  # noqa: E402
+from kvproof.sim.trace import TraceRequest  # noqa: E402
 from kvproof.spec.groups import GroupKind, MambaCacheMode  # noqa: E402
 from kvproof.spec.layout import Layout  # noqa: E402
 

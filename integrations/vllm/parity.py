@@ -25,12 +25,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from kvproof.impl.content_oracle import ContentOracle
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
 from kvproof.impl.scheduler import Scheduler
-from kvproof.impl.trace import TraceRequest
 from kvproof.integrations.vllm.engine_harness import EngineHarness, StepHook
+from kvproof.oracle.content_oracle import ContentOracle
+from kvproof.sim.drive import drain
+from kvproof.sim.trace import TraceRequest
 from kvproof.spec.groups import GroupKind
 from kvproof.spec.layout import Layout
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id  # after engine_harness: the CPU platform
@@ -126,6 +127,7 @@ def run_kvproof(trace: Sequence[TraceRequest], layout: Layout, options: ParityOp
     oracle = ContentOracle(layout)
     requests = []
     ends: dict[str, list[int]] = {}
+    junctions: dict[str, tuple[int, ...]] = {}  # each request's last admission hit's
 
     def make(t: TraceRequest, arrival: int) -> Request:
         r = Request(t.id, t.prompt, layout.hash_block_size, cache_salt=t.cache_salt, arrival=arrival,
@@ -133,25 +135,22 @@ def run_kvproof(trace: Sequence[TraceRequest], layout: Layout, options: ParityOp
         requests.append(r)
         return r
 
-    def drain() -> None:
-        while sched.has_unfinished():
-            plan = sched.schedule()
-            for c in plan.chunks:
-                ends.setdefault(c.request.request_id, []).append(c.start + c.num_tokens)
-            oracle.run_step(plan)
-            for done in sched.finish_step(plan):
-                oracle.forget(done)
+    def note_chunks(plan) -> None:
+        for c in plan.chunks:
+            ends.setdefault(c.request.request_id, []).append(c.start + c.num_tokens)
+            if c.overwrite:
+                junctions[c.request.request_id] = c.junctions
 
     if sequential:
         for t in trace:
             sched.add_request(make(t, sched.step + 1))
-            drain()
+            drain(sched, oracle, note_chunks)
     else:
         for t in trace:
             sched.add_request(make(t, t.arrival))
-        drain()
+        drain(sched, oracle, note_chunks)
     return EngineRun({r.request_id: r.num_cached_tokens or 0 for r in requests}, sched.step, list(oracle.violations),
-                     ends, {r.request_id: r.junctions for r in requests})
+                     ends, {r.request_id: junctions.get(r.request_id, ()) for r in requests})
 
 
 class _Schedule(StepHook):

@@ -1,5 +1,5 @@
 """What every DCP rank's KV cache holds, computed from vLLM's ``SchedulerOutput`` alone, with
-kvproof's content oracle (``kvproof.impl.content_oracle``) checking every read.
+kvproof's content oracle (``kvproof.oracle.content_oracle``) checking every read.
 
 The model follows vLLM 0.33.0's worker: finished requests leave first; a new or resumed request
 gets its whole row (``overwrite``), a running one appends the step's new block ids; the step's
@@ -15,8 +15,8 @@ reads, not a hit across two tenants with identical tokens (the hashes separate t
 
 from __future__ import annotations
 
-from kvproof.impl.content_oracle import ContentOracle
 from kvproof.impl.scheduler import ScheduledChunk, StepPlan
+from kvproof.oracle.content_oracle import ContentOracle
 from kvproof.spec.layout import Layout
 
 

@@ -15,6 +15,15 @@ TINY = ["--requests", "12", "--prefixes", "2", "--prefix-len", "64", "--suffix-l
         "--output-len", "1", "4", "--num-blocks", "400", "--budget", "256", "--dcp", "1", "2"]
 
 
+def _load(name):
+    """A benchmark script as a module (benchmarks/ is not a package; its scripts import their
+    siblings, and manager.py, which drops ICONTRACT_SLOW when imported, stays out)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def run(script, *args):
     return subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=300)
 
@@ -31,6 +40,33 @@ def test_vllm_baseline_script_runs():
     proc = run("vllm_baseline.py", *TINY)
     assert proc.returncode == 0, proc.stderr
     assert "dense" in proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_run_vllm_reports_run_kvproof_keys():
+    from kvproof.cli.layout_args import parse_group
+    from kvproof.sim.trace import TraceRequest
+    from kvproof.spec.layout import LayoutConfig, resolve_layout
+
+    vb = _load("vllm_baseline")
+    layout = resolve_layout(LayoutConfig((parse_group("full_attention:64"), parse_group("mamba:64")),
+                                         dcp=2, max_model_len=1 << 20))
+    prefix = tuple(range(512))
+    trace = [TraceRequest(f"r{i}", prefix + tuple(range(1000 * i, 1000 * i + 40 + i)), tuple(range(5)),
+                          arrival=i // 2) for i in range(12)]
+    out = vb.run_vllm(trace, layout, 2000, 1024)
+    assert set(out) == {"ops", "seconds", "ops_per_s", "us_per_lookup", "hit_rate", "copies", "steps"}
+    # lookups + one allocation per prefill chunk / decode step + frees: at least 12 * (1 + 5 + 1)
+    assert out["ops"] >= 12 * 7
+    assert 0 < out["hit_rate"] < 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_both_benchmark_sides_count_the_same_calls():
+    """benchmarks/manager.py's two columns share one counting mixin and one driver."""
+    vb = _load("vllm_baseline")
+    assert vb.CountingVllmAdapter.__mro__[1].__name__ == "CountingMixin"
+    assert {"lookup", "allocate_slots", "free"} <= set(vars(vb.CountingMixin))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")

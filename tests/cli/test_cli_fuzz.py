@@ -37,6 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvproof.cli.main import build_parser, main
+from kvproof.spec.arith import cdiv
 
 LINUX = sys.platform.startswith("linux")
 
@@ -172,7 +173,7 @@ def requests(draw, index: int) -> dict:
 def mooncake_lines(draw, index: int) -> dict:
     n = draw(st.integers(1, 1100))
     r = {"timestamp": draw(st.integers(0, 5000)), "input_length": n, "output_length": draw(st.integers(0, 3)),
-         "hash_ids": draw(st.lists(st.integers(0, 9), min_size=-(-n // 512), max_size=-(-n // 512)))}
+         "hash_ids": draw(st.lists(st.integers(0, 9), min_size=cdiv(n, 512), max_size=cdiv(n, 512)))}
     if draw(st.integers(0, 9)) == 0:
         r[draw(st.sampled_from(["timestamp", "input_length", "hash_ids", "extra"]))] = draw(
             st.sampled_from([-1, 10**400, 1.5, None, [], "x"]))
@@ -344,7 +345,7 @@ def _timeless_pair(pair: tuple[int, str]) -> tuple[int, str]:
 def private_tmp(tmp_path, monkeypatch):
     """A temporary directory of our own (others write to the shared one meanwhile)."""
     if "torch" in sys.modules or _torch_available():
-        from kvproof.e2e.dcp import rank_context
+        from kvproof.e2e.ranks import rank_context
 
         rank_context()  # the fork server's socket directory lives in the real temp dir, not ours
     tmp = tmp_path / "tmp"

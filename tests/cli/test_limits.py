@@ -10,8 +10,8 @@ import pytest
 
 from kvproof.cli import limits
 from kvproof.cli.main import main
-from kvproof.impl.content_oracle import ContentOracle
 from kvproof.impl.kv_cache_manager import KVCacheManager
+from kvproof.oracle.content_oracle import ContentOracle
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 
@@ -58,12 +58,12 @@ def test_available_memory_is_known_on_linux():
 def test_a_request_the_pool_can_never_hold_is_refused_before_any_step(capsys, tmp_path, monkeypatch):
     """A 100k-token prompt with a 16-token budget was refused only after every
     chunk up to the pool's end had run (37 s); now before the replay starts."""
-    import kvproof.impl.replay
+    import kvproof.sim.replay
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("replay started although the request can never fit")
 
-    monkeypatch.setattr(kvproof.impl.replay, "replay", must_not_run)
+    monkeypatch.setattr(kvproof.sim.replay, "replay", must_not_run)
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"id": "long", "prompt": list(range(100_000)), "output": [1]}) + "\n")
     code = main(["replay", str(path), "--group", "full_attention:16", "--group", "mamba:16",

@@ -25,7 +25,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SEMANTICS = ROOT / "docs" / "vllm-semantics.md"
 
-TOP = r"(?:spec|impl|kernels|proofs|e2e|planner|integrations|cli|tests|benchmarks|docs|tools|examples|requirements|kvproof|\.ci)"
+TOP = r"(?:spec|impl|sim|oracle|kernels|proofs|e2e|planner|integrations|cli|tests|benchmarks|docs|tools|examples|requirements|kvproof|\.ci)"
 PATH = re.compile(rf"(?<![\w./~-]){TOP}/[\w.*/-]*[\w*](?![\w<{{])")
 MODULE = re.compile(r"(?<![\w.])kvproof(?:\.[A-Za-z_]\w*)+")
 FILE_NAME = re.compile(r"(?<![\w./-])([\w/]+\.py):([A-Za-z_]\w*)")

@@ -14,7 +14,7 @@ import pytest
 from kvproof.cli.main import main
 from kvproof.e2e import runner
 from kvproof.e2e.workloads import hybrid_workload
-from kvproof.impl.trace import dump_trace
+from kvproof.sim.trace import dump_trace
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HYBRID = ["--group", "full_attention:4", "--group", "mamba:8", "--hash-block-size", "2", "--max-model-len", "128"]

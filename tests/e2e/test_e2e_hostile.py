@@ -12,7 +12,7 @@ from kvproof.cli import e2e as e2e_cli
 from kvproof.cli.main import main
 from kvproof.e2e import runner
 from kvproof.e2e.workloads import hybrid_workload
-from kvproof.impl.trace import dump_trace
+from kvproof.sim.trace import dump_trace
 
 HYBRID = ["--group", "full_attention:4", "--group", "mamba:8", "--hash-block-size", "2", "--max-model-len", "128"]
 

@@ -17,11 +17,11 @@ import time
 import pytest
 
 from kvproof import leftovers
-from kvproof.e2e.dcp import RankError
+from kvproof.e2e.ranks import RankError
 from kvproof.e2e.faults import Faults
 from kvproof.e2e.runner import E2EOptions, run_e2e
 from kvproof.e2e.workloads import hybrid_workload
-from kvproof.impl.trace import dump_trace
+from kvproof.sim.trace import dump_trace
 
 from .conftest import layout_config
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvproof.e2e import TOLERANCE, E2EOptions, Faults, run_e2e
-from kvproof.e2e.dcp import RankError
+from kvproof.e2e.ranks import RankError
 from kvproof.e2e.workloads import hybrid_workload
 
 from .conftest import layout_config

@@ -12,21 +12,21 @@ import pytest
 pytest.importorskip("torch")
 
 from kvproof import leftovers  # noqa: E402
-from kvproof.e2e import dcp  # noqa: E402
+from kvproof.e2e import ranks  # noqa: E402
 
 
 def test_a_long_temporary_directory_moves_the_socket_under_tmp(tmp_path, monkeypatch):
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     deep.mkdir(parents=True)
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
-    assert dcp._socket_dir_base() == "/tmp" and tempfile.tempdir == str(deep)
+    assert ranks._socket_dir_base() == "/tmp" and tempfile.tempdir == str(deep)
 
 
 def test_a_short_temporary_directory_is_used_as_it_is(monkeypatch):
     short = tempfile.mkdtemp(prefix="k", dir="/tmp")
     try:
         monkeypatch.setattr(tempfile, "tempdir", short)
-        assert dcp._socket_dir_base() == short
+        assert ranks._socket_dir_base() == short
     finally:
         os.rmdir(short)
 
@@ -37,14 +37,14 @@ def test_without_a_writable_tmp_the_error_names_the_directory(tmp_path, monkeypa
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     with pytest.raises(ValueError, match=r"is too long for the rank processes' Unix socket .* set TMPDIR to a shorter"):
-        dcp._socket_dir_base()
+        ranks._socket_dir_base()
 
 
 def test_the_socket_directory_names_its_owner_and_fits_a_socket_path():
-    path = dcp._socket_temp_dir()
+    path = ranks._socket_temp_dir()
     name = os.path.basename(path)
-    assert name.startswith(dcp.SOCKET_DIR_PREFIX + leftovers.owner_tag())
-    assert len(os.fsencode(path)) + dcp._SOCKET_SUFFIX <= dcp._SOCKET_PATH_MAX
+    assert name.startswith(ranks.SOCKET_DIR_PREFIX + leftovers.owner_tag())
+    assert len(os.fsencode(path)) + ranks._SOCKET_SUFFIX <= ranks._SOCKET_PATH_MAX
 
 
 def test_ranks_start_with_ctrl_c_ignored():
@@ -52,7 +52,7 @@ def test_ranks_start_with_ctrl_c_ignored():
     in it: a Ctrl-C to the process group while ranks start cannot print a half traceback
     ("Process kvproof-rank-0:") or end a rank the caller has not decided to stop. The child
     here raises SIGINT at itself as its first act; ignored, it exits 0."""
-    ctx = dcp.rank_context()
+    ctx = ranks.rank_context()
     if ctx.get_start_method() != "forkserver":
         pytest.skip("ranks are spawned, not forked, on this platform")
     p = ctx.Process(target=signal.raise_signal, args=(signal.SIGINT,))

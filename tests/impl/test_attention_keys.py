@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from kvproof.impl.hashing import key_at
 from kvproof.impl.kv_cache_manager import KVCacheManager
-from kvproof.impl.replay import replay
 from kvproof.impl.request import Request
-from kvproof.impl.trace import TraceRequest
+from kvproof.sim.drive import run_chunks
+from kvproof.sim.replay import replay
+from kvproof.sim.trace import TraceRequest
 from kvproof.spec import contracts
 from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.groups import CacheGroup, GroupKind
@@ -36,17 +37,9 @@ def kv_for(keys: str, dcp: int = 4, block: int = 2, h: int = 2, num_blocks: int 
 
 def run(kv: KVCacheManager, request: Request, chunks) -> int:
     """Schedule ``request`` alone, one chunk per step; returns its hit."""
-    hit = None
-    for n in chunks:
-        kv.begin_step()
-        looked = None if kv.is_running(request) else kv.lookup(request)
-        hit = looked.num_tokens if looked is not None else hit
-        start = request.num_computed_tokens if kv.is_running(request) else looked.num_tokens
-        assert kv.allocate_slots(request, n, looked) is not None
-        kv.take_block_copies()
-        request.num_computed_tokens = start + n
-        kv.cache(request)
-    return hit
+    runs = run_chunks(kv, request, chunks)
+    assert all(run.blocks is not None for run in runs)
+    return runs[0].hit.num_tokens
 
 
 @pytest.mark.parametrize("keys, want", [("every-hash", 6), ("chunk-ends", 0)])
@@ -66,12 +59,12 @@ def test_keys_stop_at_what_was_computed_and_nothing_below_the_hit_is_rekeyed():
     kv = kv_for("every-hash")
     producer = Request("p", list(range(100, 114)), 2)
     run(kv, producer, [5, 6])  # computed 5 then 11: boundaries 2, 4 | 6, 8 (block end), 10
-    pool, table = kv.pool, kv.coordinator.managers[0].tables["p"]
+    pool, table = kv.pool, kv.coordinator.managers[0].row("p")
     assert [n for _, n in pool.keys_of(table[0])] == [8, 6, 4, 2]
     assert [n for _, n in pool.keys_of(table[1])] == [10]  # 11 computed: 12 is not written yet
     consumer = Request("c", list(range(100, 106)) + [999, 998, 997], 2)
     run(kv, consumer, [3])  # hit 6 inside block 0: a copy-on-write block, appended from 6
-    copy = kv.coordinator.managers[0].tables["c"][0]
+    copy = kv.coordinator.managers[0].row("c")[0]
     assert copy != table[0] and [n for _, n in pool.keys_of(copy)] == [8]  # 6 is the source's key
     assert kv._check()
 
@@ -84,7 +77,8 @@ def test_inv_keys_every_hash_fires_when_the_bookkeeping_loses_the_hit():
     consumer = Request("c", list(range(100, 112)) + [999] * 4, 2)
     run(kv, consumer, [2])  # hit 12 (a copy of block 1 from 8), computed to 14
     manager = kv.coordinator.managers[0]
-    manager._keyed["c"] = (0, 0)  # corrupted: as if nothing had been keyed
+    state = manager.requests["c"]
+    state.full_keyed = state.partial_keyed = 0  # corrupted: as if nothing had been keyed
     consumer.num_computed_tokens += 2
     kv.begin_step()
     with pytest.raises(InvariantViolation, match="INV-KEYS-EVERY-HASH"):
@@ -95,7 +89,7 @@ def test_inv_keys_per_block_fires_on_a_key_off_the_block_grid():
     kv = kv_for("every-hash")
     req = Request("p", list(range(100, 120)), 2)
     run(kv, req, [20])
-    table = kv.coordinator.managers[0].tables["p"]
+    table = kv.coordinator.managers[0].row("p")
     assert kv._check()
     # A key naming 12 tokens on the first block (which spans [0, 8)): more than it holds.
     kv.pool.cache_partial(table[0], ("bogus", 0), 12, keep_prefixes=True)

@@ -24,6 +24,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 from kvproof.impl.block_pool import BlockPool
 from kvproof.impl.hashing import key_at, request_block_hashes
+from kvproof.spec.arith import cdiv
 from kvproof.spec import block_pool as spec
 from kvproof.spec.eviction import COMPUTE, POLICIES, victims
 from ..conftest import PROFILE, Reach
@@ -412,7 +413,7 @@ class PoolMachine(RuleBasedStateMachine):
         event(f"prefill hits {len(hits)} blocks")
         self.pool.touch(hits)
         self.model = spec.touch(self.model, hits)
-        need = -(-n_tok // bs) - len(hits)
+        need = cdiv(n_tok, bs) - len(hits)
         got = self.pool.allocate(need)
         expected = spec.allocate(self.model, need)
         if expected is not None:
@@ -441,7 +442,7 @@ class PoolMachine(RuleBasedStateMachine):
         tokens = (req.prefix.tokens + more)[: 8 * H]
         if len(tokens) == old_tokens:
             return
-        need = -(-len(tokens) // bs) - len(req.blocks)
+        need = cdiv(len(tokens), bs) - len(req.blocks)
         got = self.pool.allocate(need)
         expected = spec.allocate(self.model, need)
         if expected is None:

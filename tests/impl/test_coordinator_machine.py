@@ -42,12 +42,13 @@ from hypothesis.stateful import (
 )
 
 from kvproof.impl.block_pool import NULL_BLOCK
-from kvproof.impl.content_oracle import ContentOracle
 from kvproof.impl.hashing import key_at
 from kvproof.impl.kv_cache_manager import KVCacheManager
-from kvproof.spec.eviction import COMPUTE, LRU
 from kvproof.impl.request import Request
 from kvproof.impl.scheduler import CapacityError, Scheduler
+from kvproof.oracle.content_oracle import ContentOracle
+from kvproof.sim.drive import drain
+from kvproof.spec.eviction import COMPUTE, LRU
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.joint_hit import ATTENTION, MAMBA, WINDOW, GroupView, joint_hit
 from kvproof.spec.layout import Layout, LayoutConfig, resolve_layout
@@ -73,10 +74,8 @@ def spec_views(layout: Layout, request: Request, pool, eagle: bool) -> tuple[Gro
         elif g.group.kind is GroupKind.SLIDING_WINDOW:
             views.append(GroupView(WINDOW, b, has, window=g.group.sliding_window))
         else:
-            # The EAGLE draft recomputes one unit: a hash block when hits may land inside this
-            # group's blocks, else a whole block.
-            unit = (h if layout.cache_hit_alignment < b else b) if eagle else 0
-            views.append(GroupView(ATTENTION, b, has, eagle_unit=unit))
+            # The EAGLE draft recomputes one unit (the layout's rule, not the manager's copy of it).
+            views.append(GroupView(ATTENTION, b, has, eagle_unit=layout.eagle_unit(g) if eagle else 0))
     return tuple(views)
 
 
@@ -88,8 +87,7 @@ def runs_alone(layout: Layout, request: Request, num_blocks: int, budget: int, e
     sched.add_request(Request("alone", request.token_ids[: request.num_prompt_tokens], layout.hash_block_size,
                               cache_salt=request.cache_salt, expected_outputs=request.expected_outputs))
     try:
-        while sched.has_unfinished():
-            sched.finish_step(sched.schedule())
+        drain(sched)
     except CapacityError:
         return False
     return True
@@ -281,9 +279,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
         b, h = g.effective_block_size, self.layout.hash_block_size
         every = self.layout.config.attention_keys == "every-hash" and self.layout.cache_hit_alignment < b
         unit = h if every else b
-        table_of = self.kv.coordinator.managers[0].tables
+        row_of = self.kv.coordinator.managers[0].row
         for r in self.sched.running:
-            table, start = table_of[r.request_id], self.own_start[r.request_id]
+            table, start = row_of(r.request_id), self.own_start[r.request_id]
             done = min(r.num_computed_tokens, r.hashed_len)
             for n in range(start - start % unit + unit, done + 1, unit):
                 keys = {k for k, _ in self.kv.pool.keys_of(table[(n - 1) // b])}

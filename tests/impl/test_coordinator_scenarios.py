@@ -8,6 +8,9 @@ import pytest
 
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
+from kvproof.sim import drive
+from kvproof.sim.drive import Step, run_chunk
+from kvproof.spec.arith import cdiv
 from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.layout import LayoutConfig, resolve_layout
@@ -33,27 +36,8 @@ def with_row_width(layout, group_index, width):
 
 
 def run_chunks(kv, req, chunks):
-    """Schedule ``req`` alone for each chunk size in turn (lookup on its first chunk)."""
-    for i, n in enumerate(chunks):
-        kv.begin_step()
-        hit = None if kv.is_running(req) else kv.lookup(req)
-        assert kv.allocate_slots(req, n, hit) is not None
-        copies = kv.take_block_copies()
-        req.num_computed_tokens += n
-        kv.cache(req)
-    return copies
-
-
-def admit(kv, req, n):
-    """One step admitting ``req``: look it up, allocate ``n`` tokens after its hit, run."""
-    kv.begin_step()
-    hit = kv.lookup(req)
-    blocks = kv.allocate_slots(req, n, hit)
-    copies = kv.take_block_copies()
-    if blocks is not None:
-        req.num_computed_tokens = hit.num_tokens + n
-        kv.cache(req)
-    return hit, blocks, copies
+    """Schedule ``req`` alone for each chunk size in turn (lookup on its first); every chunk fits."""
+    assert all(run.blocks is not None for run in drive.run_chunks(kv, req, chunks))
 
 
 def req(rid, tokens, kv, salt=None):
@@ -70,7 +54,7 @@ def test_k3_prime_then_replay_hits_256(dcp):
     run_chunks(kv, prime, [256, 1])
     kv.free(prime)
     replay = req("replay", shared + [8, 9], kv)
-    hit, _, copies = admit(kv, replay, 2)
+    hit, _, copies = run_chunk(kv, replay, 2)
     assert hit.num_tokens == 256
     # Under DCP 2 the attention virtual block is 512 tokens: 256 is half of it -> one FA copy.
     assert [g for g, _, _ in copies] == ([0] if dcp == 2 else [])
@@ -82,7 +66,7 @@ def test_k3_old_rule_under_dcp_2_gives_no_hit():
     prime = req("prime", shared + [7], kv)
     run_chunks(kv, prime, [256, 1])
     kv.free(prime)
-    hit, _, _ = admit(kv, req("replay", shared + [8, 9], kv), 2)
+    hit, _, _ = run_chunk(kv, req("replay", shared + [8, 9], kv), 2)
     assert hit.num_tokens == 0
 
 
@@ -93,9 +77,9 @@ def test_partial_hash_hit_copies_both_groups(dcp):
     kv = make_kv([CacheGroup(FA, 4), CacheGroup(MAMBA, 4)], dcp=dcp, hash_block_size=2)
     run_chunks(kv, req("p", [1, 2, 3, 4, 5, 6], kv), [6])
     r = req("r", [1, 2, 3, 4, 5, 6, 7, 8], kv)
-    hit, blocks, copies = admit(kv, r, 2)
+    hit, blocks, copies = run_chunk(kv, r, 2)
     assert hit.num_tokens == 6
-    assert [len(b) for b in hit.blocks] == [-(-6 // (4 * dcp)), 2]
+    assert [len(b) for b in hit.blocks] == [cdiv(6, 4 * dcp), 2]
     assert sorted(g for g, _, _ in copies) == [0, 1]
     assert all(src != dst for _, src, dst in copies)
 
@@ -105,7 +89,7 @@ def test_dcp_fine_hit_on_hash_boundary():
     kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 2)], dcp=4)
     prompt = [5, 6, 7, 8, 9, 10, 11]
     run_chunks(kv, req("p", prompt, kv), [6])
-    hit, _, _ = admit(kv, req("c", prompt, kv), 1)
+    hit, _, _ = run_chunk(kv, req("c", prompt, kv), 1)
     assert hit.num_tokens == 6
 
 
@@ -115,13 +99,13 @@ def test_joint_hit_is_bounded_by_mamba_states():
     prompt = list(range(12))
     producer = req("p", prompt, kv)
     run_chunks(kv, producer, [8])
-    hit, _, _ = admit(kv, req("a", prompt + [99, 98, 97, 96], kv), 1)
+    hit, _, _ = run_chunk(kv, req("a", prompt + [99, 98, 97, 96], kv), 1)
     assert hit.num_tokens == 8
     assert [len(b) for b in hit.blocks] == [1, 2]
     # A fresh manager keeps the second half independent of the consumer above.
     kv2 = make_kv([CacheGroup(FA, 4), CacheGroup(MAMBA, 4)], dcp=2)
     run_chunks(kv2, req("p", prompt, kv2), [8, 4])
-    hit, _, _ = admit(kv2, req("b", prompt + [99, 98, 97, 96], kv2), 1)
+    hit, _, _ = run_chunk(kv2, req("b", prompt + [99, 98, 97, 96], kv2), 1)
     assert hit.num_tokens == 12
     assert [len(b) for b in hit.blocks] == [2, 3]
 
@@ -129,7 +113,7 @@ def test_joint_hit_is_bounded_by_mamba_states():
 def test_eagle_drops_one_hash_unit():
     kv = make_kv([CacheGroup(FA, 4), CacheGroup(MAMBA, 4)], dcp=2, hash_block_size=2, eagle=True)
     run_chunks(kv, req("p", [7] * 6, kv), [4, 2])
-    hit, blocks, _ = admit(kv, req("r", [7] * 8, kv), 4)
+    hit, blocks, _ = run_chunk(kv, req("r", [7] * 8, kv), 4)
     assert hit.num_tokens == 4
     assert blocks is not None and all(len(b) * bs >= 4 for b, bs in zip(hit.blocks, (8, 4)))
 
@@ -143,7 +127,7 @@ def test_sliding_window_forces_block_aligned_hits(caplog):
     assert not kv.layout.partial_hash_hits and kv.layout.cache_hit_alignment == 8
     prompt = list(range(12))
     run_chunks(kv, req("p", prompt, kv), [8, 4])
-    hit, _, _ = admit(kv, req("r", prompt + [1], kv), 5)
+    hit, _, _ = run_chunk(kv, req("r", prompt + [1], kv), 5)
     assert hit.num_tokens == 8
     assert len(hit.blocks[0]) * 2 == 8
 
@@ -159,16 +143,13 @@ def test_running_owner_copies_its_cached_state_before_writing_in_place():
     state = kv.block_table(owner)[1][1]
     key_before = kv.pool.key_of(state)
     assert key_before is not None
-    kv.begin_step()
-    appended = kv.allocate_slots(owner, 1)
-    assert len(appended[0]) == 1 and appended[1] == []  # no new Mamba entry: the row is append-only
-    copies = kv.take_block_copies()
-    assert copies and copies[0][:2] == (1, state)
-    moved = copies[0][2]
-    owner.num_computed_tokens = 7
-    kv.cache(owner)
+    with Step(kv) as step:
+        appended = step.schedule(owner, 1).blocks
+        assert len(appended[0]) == 1 and appended[1] == []  # no new Mamba entry: the row is append-only
+    assert step.copies and step.copies[0][:2] == (1, state)
+    moved = step.copies[0][2]
     assert kv.pool.key_of(state) is None and kv.pool.key_of(moved) == key_before
-    hit, _, copies = admit(kv, req("later", prompt[:6] + [8, 8], kv), 2)
+    hit, _, copies = run_chunk(kv, req("later", prompt[:6] + [8, 8], kv), 2)
     assert hit.num_tokens == 6 and hit.blocks[1][-1] == moved
     assert (1, moved) in [(g, s) for g, s, _ in copies]
 
@@ -183,8 +164,8 @@ def test_mamba_keeps_at_most_two_real_blocks():
 def test_cache_salt_isolates_tenants():
     kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
     run_chunks(kv, req("a", list(range(9)), kv, salt="tenant-a"), [8])
-    assert admit(kv, req("b", list(range(9)), kv, salt="tenant-b"), 1)[0].num_tokens == 0
-    assert admit(kv, req("c", list(range(9)), kv, salt="tenant-a"), 1)[0].num_tokens == 8
+    assert run_chunk(kv, req("b", list(range(9)), kv, salt="tenant-b"), 1)[0].num_tokens == 0
+    assert run_chunk(kv, req("c", list(range(9)), kv, salt="tenant-a"), 1)[0].num_tokens == 8
 
 
 # --- atomicity and contracts --------------------------------------------------------------------
@@ -249,7 +230,7 @@ def test_mamba_real_block_bound_fires():
     kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
     r = req("r", list(range(12)), kv)
     run_chunks(kv, r, [4])
-    kv.managers[1].tables["r"][0:0] = [kv.pool.allocate(1)[0]]  # an extra state block kept
+    kv.managers[1].requests["r"].row[0:0] = [kv.pool.allocate(1)[0]]  # an extra state block kept
     with pytest.raises(InvariantViolation, match="INV-MAMBA-REAL-BLOCKS"):
         kv.check_request(r)
 
@@ -262,9 +243,9 @@ def test_mamba_real_block_bound_is_cheap_and_catches_a_state_never_released(monk
 
     advance = MambaManager._advance
 
-    def leaky_advance(self, rid, table, index, new_index):
-        advance(self, rid, table, index, new_index)
-        self._superseded.pop(rid, None)  # the bug: the old state is never released
+    def leaky_advance(self, state, new_index):
+        advance(self, state, new_index)
+        state.superseded = -1  # the bug: the old state is never released
 
     kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
     r = req("r", list(range(12)), kv)
@@ -346,8 +327,8 @@ def test_step_protocol_fires_when_copies_are_never_taken():
 
 
 def test_replay_step_limit_is_a_limit_error_not_a_violation():
-    from kvproof.impl.replay import StepLimitError, replay
-    from kvproof.impl.trace import TraceRequest
+    from kvproof.sim.replay import StepLimitError, replay
+    from kvproof.sim.trace import TraceRequest
 
     layout = resolve_layout(LayoutConfig((CacheGroup(FA, 2), CacheGroup(MAMBA, 4)), max_model_len=64))
     trace = [TraceRequest("r", tuple(range(20)), output=(1, 2, 3))]
@@ -357,9 +338,9 @@ def test_replay_step_limit_is_a_limit_error_not_a_violation():
 
 
 def test_replay_progress_contract_fires_on_a_step_that_schedules_nothing(monkeypatch):
-    from kvproof.impl.replay import replay
+    from kvproof.sim.replay import replay
     from kvproof.impl.scheduler import Scheduler, StepPlan
-    from kvproof.impl.trace import TraceRequest
+    from kvproof.sim.trace import TraceRequest
 
     def schedule_nothing(self):
         self.step += 1
@@ -379,7 +360,7 @@ def test_mamba_partial_hit_inside_a_state_block():
     producer = req("p", [1, 2, 3, 4, 5, 6], kv)
     run_chunks(kv, producer, [6])
     src = kv.block_table(producer)[1][1]
-    hit, blocks, copies = admit(kv, req("r", [1, 2, 3, 4, 5, 6, 7, 8], kv), 2)
+    hit, blocks, copies = run_chunk(kv, req("r", [1, 2, 3, 4, 5, 6, 7, 8], kv), 2)
     assert hit.num_tokens == 6 and [len(b) for b in hit.blocks] == [3, 2]
     assert [(g, s) for g, s, _ in copies] == [(1, src)]
     assert blocks[1][1] == copies[0][2]  # the request's state block is the copy
@@ -393,14 +374,10 @@ def test_same_step_hitter_copies_from_the_owners_block_not_from_its_copy():
     owner = req("o", prompt, kv)
     run_chunks(kv, owner, [6])
     state = kv.block_table(owner)[1][1]
-    kv.begin_step()
-    kv.allocate_slots(owner, 1)
-    hitter = req("h", prompt[:6] + [7, 7], kv)
-    hit = kv.lookup(hitter)
-    assert hit.num_tokens == 6
-    kv.allocate_slots(hitter, 2, hit)
-    copies = kv.take_block_copies()
-    mamba = [(s, d) for g, s, d in copies if g == 1]
+    with Step(kv) as step:
+        step.schedule(owner, 1)
+        assert step.schedule(req("h", prompt[:6] + [7, 7], kv), 2).hit.num_tokens == 6
+    mamba = [(s, d) for g, s, d in step.copies if g == 1]
     assert [s for s, _ in mamba] == [state, state]
     assert not {d for _, d in mamba} & {s for s, _ in mamba}
 
@@ -410,7 +387,7 @@ def test_copy_sources_are_held_until_the_next_step_begins():
     producer = req("p", [1, 2, 3, 4, 5, 6], kv)
     run_chunks(kv, producer, [6])
     kv.free(producer)
-    _, _, copies = admit(kv, req("r", [1, 2, 3, 4, 5, 6, 7, 8], kv), 2)
+    _, _, copies = run_chunk(kv, req("r", [1, 2, 3, 4, 5, 6, 7, 8], kv), 2)
     sources = [s for _, s, _ in copies]
     assert sources and all(kv.pool.ref_count(s) == 1 for s in sources)  # only the hit's reference
     kv.begin_step()

@@ -1,4 +1,4 @@
-"""The coordinator's idle steps (``HybridCoordinator._idle_until``): a running request's step
+"""The coordinator's idle steps (``RunningRequest.idle_until``): a running request's step
 that needs no block and keys nothing skips every group's manager. Checked two ways: replays
 with the skip and without it (every manager's ``idle_until`` replaced by the base class's,
 which skips nothing) plan the same steps and leave the pool in the same state after every
@@ -17,10 +17,11 @@ from hypothesis import strategies as st
 from kvproof.impl.coordinator import HybridCoordinator
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.managers import MANAGER_FOR_KIND, SingleTypeManager
-from kvproof.impl.replay import replay
 from kvproof.impl.request import Request
 from kvproof.impl.scheduler import CapacityError
-from kvproof.impl.trace import TraceRequest
+from kvproof.sim.drive import run_chunk
+from kvproof.sim.replay import replay
+from kvproof.sim.trace import TraceRequest
 from kvproof.spec import contracts
 from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.groups import CacheGroup, GroupKind, MambaCacheMode
@@ -128,7 +129,7 @@ def test_idle_steps_change_nothing(config, trace, num_blocks, budget, eagle, rea
     def noting_the_lowest_bound(self, request, num_computed):
         """After a ``cache`` that did work: which group alone set the idle range (its bound
         below every other group's), so that each manager's bound is seen deciding it."""
-        worked = num_computed > self._idle_until.get(request.request_id, 0)
+        worked = num_computed > self.idle_until(request)
         cache(self, request, num_computed)
         if worked:
             bounds = sorted((m.idle_until(request, num_computed), m.group.kind) for m in self.managers)
@@ -177,37 +178,24 @@ def test_a_claimed_idle_range_that_needs_blocks_is_caught():
         kv.coordinator.managers[0].idle_until = lambda request, num_computed: 1 << 30
         req = Request("r", tuple(range(6)), kv.layout.hash_block_size)
         with contracts.slow_checks(slow):
-            kv.begin_step()
-            hit = kv.lookup(req)
-            kv.allocate_slots(req, 6, hit)
-            req.num_computed_tokens = 6
-            kv.cache(req)
+            run_chunk(kv, req, 6)
             for token in range(6, 12):
                 req.append_output(100 + token)
-                kv.begin_step()
-                kv.allocate_slots(req, 1)
-                req.num_computed_tokens += 1
-                kv.cache(req)
+                run_chunk(kv, req, 1)
         return kv
 
     with pytest.raises(InvariantViolation, match="INV-IDLE-STEP.*request 'r', group 0: a step to 9 tokens"):
         run(slow=True)
     kv = run(slow=False)
-    assert len(kv.coordinator.managers[0].tables["r"]) == 2  # the lie went unnoticed: 12 tokens in 8 slots
+    assert len(kv.coordinator.managers[0].row("r")) == 2  # the lie went unnoticed: 12 tokens in 8 slots
 
 
 def _decode(kv, request, prompt_len, end):
     """Compute ``prompt_len`` tokens in one step, then decode one token per step to ``end``."""
-    kv.begin_step()
-    kv.allocate_slots(request, prompt_len, kv.lookup(request))
-    request.num_computed_tokens = prompt_len
-    kv.cache(request)
+    assert run_chunk(kv, request, prompt_len).blocks is not None
     for token in range(prompt_len, end):
         request.append_output(100 + token)
-        kv.begin_step()
-        assert kv.allocate_slots(request, 1) is not None
-        request.num_computed_tokens += 1
-        kv.cache(request)
+        assert run_chunk(kv, request, 1).blocks is not None
 
 
 def test_only_the_steps_that_need_a_block_or_complete_one_reach_the_manager(monkeypatch):

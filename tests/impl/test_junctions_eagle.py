@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 from kvproof.impl.kv_cache_manager import KVCacheManager
-from kvproof.impl.replay import replay
 from kvproof.impl.request import Request
 from kvproof.impl.scheduler import Scheduler
-from kvproof.impl.trace import TraceRequest
+from kvproof.sim.drive import drain, run_chunk
+from kvproof.sim.replay import replay
+from kvproof.sim.trace import TraceRequest
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 
@@ -25,11 +26,7 @@ def layout(exact=True, h=2, fa=8, mamba=8, dcp=2, retention=0):
 def _computed(kv: KVCacheManager, rid: str, prompt) -> None:
     """Mutates. ``prompt`` computed in one step and cached."""
     r = Request(rid, list(prompt), kv.layout.hash_block_size)
-    kv.begin_step()
-    kv.allocate_slots(r, r.num_tokens, kv.lookup(r))
-    kv.take_block_copies()
-    r.num_computed_tokens = r.num_tokens
-    kv.cache(r)
+    assert run_chunk(kv, r, r.num_tokens).blocks is not None
 
 
 @pytest.mark.parametrize("eagle, junctions", [(False, (32,)), (True, (30, 32))])
@@ -61,10 +58,7 @@ def test_shared_prefix_checkpoint_needs_eagle(eagle, exact_in_effect):
     for t in (TraceRequest("a", BASE[:20], (1,), arrival=1), TraceRequest("b", BASE[:13] + (5, 6, 7, 8, 9), (1,), arrival=1)):
         r = Request(t.id, t.prompt, lay.hash_block_size, arrival=sched.step + 1, expected_outputs=t.output)
         sched.add_request(r)
-        while sched.has_unfinished():
-            plan = sched.schedule()
-            ends += [(c.request.request_id, c.start + c.num_tokens) for c in plan.chunks]
-            sched.finish_step(plan)
+        drain(sched, on_plan=lambda plan: ends.extend((c.request.request_id, c.start + c.num_tokens) for c in plan.chunks))
     b_ends = [e for rid, e in ends if rid == "b"]
     junction = 13 - (1 if eagle else 0)  # with EAGLE the hit (and junction) is one unit below the coverage
     assert (junction in b_ends) is exact_in_effect

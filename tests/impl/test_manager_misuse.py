@@ -67,11 +67,11 @@ def test_the_whole_state_check_sees_a_stray_block_between_steps():
     kv = KVCacheManager(LAYOUT, 64)
     req = running_after_prefill(kv)
     mamba = kv.managers[1]
-    row = mamba.tables["a"]
+    row = mamba.row("a")
     assert row[0] == 0 and row[1] != 0  # the state after 8 tokens is at index 1
     [stray] = kv.pool.allocate(1)
     row[0] = stray
-    mamba._checked_below.pop("a")  # as after a state move: the entries below are read again
+    mamba.requests["a"].checked_below = -1  # as after a state move: the entries below are read again
     with pytest.raises(InvariantViolation, match=r"INV-MAMBA-REAL-BLOCKS: request 'a', group 1: 2 real state blocks between steps > 1"):
         kv._check()
 

@@ -10,6 +10,7 @@ import pytest
 
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
+from kvproof.sim.drive import run_chunk, run_chunks
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 
@@ -19,11 +20,7 @@ FA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA
 def run_prompt(kv, lay, request_id, prompt):
     """Admit ``prompt`` as one chunk, compute it and cache it (mutates ``kv``); the request."""
     r = Request(request_id, list(prompt), lay.hash_block_size)
-    kv.begin_step()
-    assert kv.allocate_slots(r, r.num_tokens, kv.lookup(r)) is not None
-    kv.take_block_copies()
-    r.num_computed_tokens = r.num_tokens
-    kv.cache(r)
+    assert run_chunk(kv, r, r.num_tokens).blocks is not None
     return r
 
 
@@ -51,11 +48,7 @@ def test_a_request_that_resumed_from_a_hit_keys_what_it_computes():
     b = Request("B", list(range(100, 116)), lay.hash_block_size)
     hit = kv.lookup(b)
     assert hit.num_tokens == 8
-    kv.begin_step()
-    assert kv.allocate_slots(b, 8, hit) is not None
-    kv.take_block_copies()
-    b.num_computed_tokens = 16
-    kv.cache(b)
+    assert run_chunk(kv, b, 8, hit).blocks is not None
     assert kv.lookup(Request("C", list(range(100, 116)) + [1], lay.hash_block_size)).num_tokens == 16
 
 
@@ -75,34 +68,21 @@ def test_a_running_request_may_take_the_last_free_block():
     r = run_prompt(kv, lay, "A", range(100, 108))  # blocks for 8 tokens: 2
     for token in range(6):
         r.append_output(token)
-    kv.begin_step()
-    assert kv.allocate_slots(r, 4) is not None  # 4 more tokens: the third and last block
-    kv.take_block_copies()
-    r.num_computed_tokens += 4
-    kv.cache(r)
-    kv.begin_step()
-    assert kv.allocate_slots(r, 1) is None  # token 13 needs a fourth block, which does not exist
+    assert run_chunk(kv, r, 4).blocks is not None  # 4 more tokens: the third and last block
+    assert run_chunk(kv, r, 1).blocks is None  # token 13 needs a fourth block, which does not exist
 
 
 def test_a_partial_mamba_hit_copies_one_block_and_every_block_comes_back():
     lay = resolve_layout(LayoutConfig((CacheGroup(FA, 4), CacheGroup(MAMBA, 8)), max_model_len=256, hash_block_size=4))
     kv = KVCacheManager(lay, 32)
     a = Request("A", list(range(100, 113)), lay.hash_block_size)
-    for start, num_new in ((0, 12), (12, 1)):  # chunks as the split rule cuts them: the tail state at 12 is kept
-        kv.begin_step()
-        assert kv.allocate_slots(a, num_new, kv.lookup(a) if start == 0 else None) is not None
-        kv.take_block_copies()
-        a.num_computed_tokens = start + num_new
-        kv.cache(a)
+    # Chunks as the split rule cuts them: the tail state at 12 is kept.
+    assert all(run.blocks is not None for run in run_chunks(kv, a, (12, 1)))
     b = Request("B", list(range(100, 112)) + [1, 2, 3, 4, 5, 6], lay.hash_block_size)
     hit = kv.lookup(b)
     assert hit.num_tokens == 12  # inside Mamba block 1: B works on a copy of A's state block
-    kv.begin_step()
-    assert kv.allocate_slots(b, 6, hit) is not None
-    copies = kv.take_block_copies()
-    assert len([c for c in copies if c[0] == 1]) == 1
-    b.num_computed_tokens = 18
-    kv.cache(b)
+    run = run_chunk(kv, b, 6, hit)
+    assert run.blocks is not None and len([c for c in run.copies if c[0] == 1]) == 1
     kv.free(a)
     kv.free(b)
     kv.begin_step()  # drops the reference that kept the copy's source alive during the step
@@ -129,12 +109,8 @@ def test_junctions_lie_beyond_the_hit_and_are_never_repeated():
     hit = kv.lookup(Request("B", list(range(100, 112)) + [1, 2, 3], lay.hash_block_size))
     assert (hit.num_tokens, hit.junctions) == (0, (12,))  # attention reaches the block boundary 12
     c = Request("C", list(range(200, 216)), lay.hash_block_size)
-    for start, num_new in ((0, 8), (8, 8)):  # Mamba keeps every chunk end (retention none): 8 and 16
-        kv.begin_step()
-        assert kv.allocate_slots(c, num_new, kv.lookup(c) if start == 0 else None) is not None
-        kv.take_block_copies()
-        c.num_computed_tokens = start + num_new
-        kv.cache(c)
+    # Mamba keeps every chunk end (retention none): 8 and 16.
+    assert all(run.blocks is not None for run in run_chunks(kv, c, (8, 8)))
     hit = kv.lookup(Request("D", list(range(200, 210)) + [1, 2, 3], lay.hash_block_size))
     assert (hit.num_tokens, hit.junctions) == (8, (10,))  # the boundary below 10 is the hit itself
 
@@ -145,8 +121,5 @@ def test_the_first_step_of_one_token_is_keyed():
     lay = resolve_layout(LayoutConfig((CacheGroup(FA, 1),), max_model_len=256))
     kv = KVCacheManager(lay, 16)
     a = Request("A", [5, 6, 7], lay.hash_block_size)
-    kv.begin_step()
-    assert kv.allocate_slots(a, 1, kv.lookup(a)) is not None
-    a.num_computed_tokens = 1
-    kv.cache(a)
+    assert run_chunk(kv, a, 1).blocks is not None
     assert kv.lookup(Request("B", [5, 9], lay.hash_block_size)).num_tokens == 1

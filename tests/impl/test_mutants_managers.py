@@ -14,6 +14,7 @@ from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.managers import FullAttentionManager
 from kvproof.impl.managers.base import StepLedger
 from kvproof.impl.request import Request
+from kvproof.sim.drive import Step
 from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.layout import LayoutConfig, resolve_layout
@@ -28,16 +29,13 @@ def layout(*groups, **config):
 def step(kv, r, num_new, hit=None):
     """One scheduler step computing ``num_new`` tokens of ``r`` after its computed ones (after
     ``hit`` for a new request); asserts the pool lost exactly what the sizing said. Mutates."""
-    kv.begin_step()
-    running = kv.is_running(r)
-    total = (r.num_computed_tokens if running else (hit.num_tokens if hit else 0)) + num_new
-    need = kv.coordinator.blocks_needed(r, total, None if running else hit or kv.coordinator.miss)
-    free = kv.pool.num_free
-    assert kv.allocate_slots(r, num_new, hit) is not None
-    assert free - kv.pool.num_free == need  # blocks_needed: exactly the free-queue blocks allocate consumed
-    kv.take_block_copies()
-    r.num_computed_tokens = total
-    kv.cache(r)
+    with Step(kv) as this_step:
+        running = kv.is_running(r)
+        total = (r.num_computed_tokens if running else (hit.num_tokens if hit else 0)) + num_new
+        need = kv.coordinator.blocks_needed(r, total, None if running else hit or kv.coordinator.miss)
+        free = kv.pool.num_free
+        assert this_step.schedule(r, num_new, hit).blocks is not None
+        assert free - kv.pool.num_free == need  # blocks_needed: exactly the free-queue blocks allocate consumed
 
 
 # --- the step ledger -------------------------------------------------------------------------------
@@ -146,7 +144,8 @@ def test_keying_a_boundary_the_block_already_covers_is_an_every_hash_violation()
     r = Request("A", list(range(100, 120)), 4)
     step(kv, r, 4)
     manager = kv.managers[0]
-    manager._keyed["A"] = (0, 0)  # the bug: forget boundary 4
+    state = manager.requests["A"]
+    state.full_keyed = state.partial_keyed = 0  # the bug: forget boundary 4
     kv.begin_step()
     kv.allocate_slots(r, 4)
     r.num_computed_tokens = 8

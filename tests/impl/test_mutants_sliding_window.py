@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
+from kvproof.sim.drive import Step
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 
@@ -19,14 +20,11 @@ def step(kv, r, num_new, hit=None):
     said the allocation takes."""
     running = kv.is_running(r)
     total = (r.num_computed_tokens if running else (hit.num_tokens if hit else 0)) + num_new
-    kv.begin_step()
-    need = kv.coordinator.blocks_needed(r, total, None if running else hit or kv.coordinator.miss)
-    free = kv.coordinator.pool.num_free
-    assert kv.allocate_slots(r, num_new, hit) is not None
-    assert free - kv.coordinator.pool.num_free == need
-    kv.take_block_copies()
-    r.num_computed_tokens = total
-    kv.cache(r)
+    with Step(kv) as this_step:
+        need = kv.coordinator.blocks_needed(r, total, None if running else hit or kv.coordinator.miss)
+        free = kv.coordinator.pool.num_free
+        assert this_step.schedule(r, num_new, hit).blocks is not None
+        assert free - kv.coordinator.pool.num_free == need
 
 
 def held(kv):

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvproof.impl import content_oracle
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.managers import base
-from kvproof.impl.replay import replay
-from kvproof.impl.trace import TraceRequest
+from kvproof.oracle import content_oracle
+from kvproof.sim.replay import replay
+from kvproof.sim.trace import TraceRequest
+from kvproof.spec.arith import cdiv
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 
@@ -107,7 +108,7 @@ def test_what_each_rank_holds_is_what_the_spec_slot_mapping_writes(dcp, interlea
                                       interleave=interleave))
     oracle = content_oracle.ContentOracle(lay)
     req = Request("r", list(range(1, 30)), lay.hash_block_size)
-    row = [10 + i for i in range(-(-29 // (4 * dcp)))]
+    row = [10 + i for i in range(cdiv(29, 4 * dcp))]
     oracle.run_step(StepPlan(0, [ScheduledChunk(req, 0, 29, ([*row],), True)], [], []))
     assert oracle.violations == []
     for rank in range(dcp):
@@ -132,7 +133,7 @@ def test_mamba_width_divided_by_dcp_is_rejected():
     from kvproof.spec.contracts import InvariantViolation
 
     lay = layout(dcp=8)
-    old_width = -(-256 // (8 * 8))  # the old rule: cdiv(max_len, bs * dcp) = 4 rows, not 32
+    old_width = cdiv(256, 8 * 8)  # the old rule: cdiv(max_len, bs * dcp) = 4 rows, not 32
     mamba = dataclasses.replace(lay.groups[1], max_num_blocks_per_req=old_width, table_width=old_width)
     lay = dataclasses.replace(lay, groups=(lay.groups[0], mamba))
     kv = KVCacheManager(lay, 64)

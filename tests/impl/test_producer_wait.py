@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvproof.impl.content_oracle import ContentOracle
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
 from kvproof.impl.scheduler import Scheduler
+from kvproof.oracle.content_oracle import ContentOracle
+from kvproof.sim.drive import drain
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 
@@ -30,13 +31,12 @@ def run(prompts, arrivals, groups=((FA, 8), (MAMBA, 8)), retention=0, budget=64,
     for r in requests:
         sched.add_request(r)
     first: dict[str, int] = {}
-    while sched.has_unfinished():
-        plan = sched.schedule()
+
+    def note_first(plan):
         for c in plan.chunks:
             first.setdefault(c.request.request_id, plan.step)
-        oracle.run_step(plan)
-        for done in sched.finish_step(plan):
-            oracle.forget(done)
+
+    drain(sched, oracle, note_first)
     assert oracle.violations == []
     return requests, first, sched
 

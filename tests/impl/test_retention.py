@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 
 from kvproof.impl.kv_cache_manager import KVCacheManager
-from kvproof.impl.replay import replay
 from kvproof.impl.request import Request
-from kvproof.impl.trace import TraceRequest
+from kvproof.sim.drive import run_chunk
+from kvproof.sim.replay import replay
+from kvproof.sim.trace import TraceRequest
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 from kvproof.spec.retention import RetentionRule, keeps_state, replay_boundaries
@@ -59,11 +60,7 @@ def test_lookup_reports_the_junction_beyond_the_joint_hit(keys, junctions):
     lay = layout(0, keys=keys)
     kv = KVCacheManager(lay, 512)
     a = Request("A", list(issue_trace()[0].prompt), lay.hash_block_size)
-    kv.begin_step()
-    kv.allocate_slots(a, a.num_tokens, kv.lookup(a))
-    kv.take_block_copies()
-    a.num_computed_tokens = a.num_tokens
-    kv.cache(a)
+    assert run_chunk(kv, a, a.num_tokens).blocks is not None
     b = Request("B", list(issue_trace()[1].prompt), lay.hash_block_size)
     hit = kv.lookup(b)
     # Chunk-end keys: A's block [112, 128) is full, keyed at 128 only, so attention stops at
@@ -74,20 +71,20 @@ def test_lookup_reports_the_junction_beyond_the_joint_hit(keys, junctions):
 
 
 def test_retention_zero_keeps_only_reachable_states():
-    rule = RetentionRule(0, block=8, hash_block=4, alignment=4, scheduler_block=16)
+    rule = RetentionRule(0, effective_block_size=8, hash_block_size=4, alignment=4, scheduler_block_size=16)
     keep = [n for n in range(1, 160) if keeps_state(n, rule, num_prompt_tokens=159, junctions=(120,))]
     # replay boundary 158 -> block end 152; tail checkpoint 156; junction 120.
     assert keep == [120, 152, 156]
 
 
 def test_retention_interval_keeps_one_state_per_segment():
-    rule = RetentionRule(32, block=8, hash_block=4, alignment=4, scheduler_block=16)
+    rule = RetentionRule(32, effective_block_size=8, hash_block_size=4, alignment=4, scheduler_block_size=16)
     keep = [n for n in range(8, 160, 8) if keeps_state(n, rule, num_prompt_tokens=159)]
     assert keep == [32, 64, 96, 128, 152]
 
 
 def test_dense_retention_keeps_every_chunk_end():
-    rule = RetentionRule(None, block=8, hash_block=4, alignment=4, scheduler_block=16)
+    rule = RetentionRule(None, effective_block_size=8, hash_block_size=4, alignment=4, scheduler_block_size=16)
     assert all(keeps_state(n, rule, num_prompt_tokens=159) for n in range(1, 200))
 
 
@@ -117,19 +114,19 @@ def test_a_short_eagle_prompt_resumes_from_the_start():
 
 
 def test_a_retention_rule_is_frozen():
-    rule = RetentionRule(0, block=8, hash_block=4, alignment=4, scheduler_block=16)
+    rule = RetentionRule(0, effective_block_size=8, hash_block_size=4, alignment=4, scheduler_block_size=16)
     with pytest.raises(dataclasses.FrozenInstanceError):
         rule.interval = 8
 
 
 def test_no_state_is_kept_before_the_first_token():
     for interval in (None, 0, 8):
-        rule = RetentionRule(interval, block=8, hash_block=4, alignment=4, scheduler_block=8)
+        rule = RetentionRule(interval, effective_block_size=8, hash_block_size=4, alignment=4, scheduler_block_size=8)
         assert not keeps_state(0, rule, num_prompt_tokens=40)
 
 
 def test_with_eagle_the_state_one_block_below_a_junction_is_kept():
-    rule = RetentionRule(0, block=8, hash_block=4, alignment=4, scheduler_block=16, eagle=True)
+    rule = RetentionRule(0, effective_block_size=8, hash_block_size=4, alignment=4, scheduler_block_size=16, eagle=True)
     keep = [n for n in range(1, 160) if keeps_state(n, rule, num_prompt_tokens=159, junctions=(120,))]
     # replay boundary 128 (one scheduler block below 144); tail checkpoint 152 (one hash block
     # below 156); junction 120, and 112 where the draft resumes below it.
@@ -137,7 +134,7 @@ def test_with_eagle_the_state_one_block_below_a_junction_is_kept():
 
 
 def test_an_exact_junction_state_is_kept_only_inside_the_prompt_and_when_asked():
-    rule = RetentionRule(0, block=8, hash_block=4, alignment=4, scheduler_block=16)
+    rule = RetentionRule(0, effective_block_size=8, hash_block_size=4, alignment=4, scheduler_block_size=16)
     kept = lambda n, exact=True, junctions=(122,): keeps_state(  # noqa: E731
         n, rule, num_prompt_tokens=122, junctions=junctions, exact_junction=exact)
     assert kept(122)  # a junction at the prompt's very end
@@ -150,11 +147,11 @@ def test_an_exact_junction_state_is_kept_only_inside_the_prompt_and_when_asked()
 @pytest.mark.parametrize("kwargs, message", [
     ({"interval": -1}, "retention interval -1 must be None or a non-negative integer"),
     ({"interval": 1.5}, "retention interval 1.5 must be None or a non-negative integer"),
-    ({"block": 0}, "block 0 must be positive"),
-    ({"scheduler_block": 0}, "scheduler_block 0 must be positive"),
+    ({"effective_block_size": 0}, "effective_block_size 0 must be positive"),
+    ({"scheduler_block_size": 0}, "scheduler_block_size 0 must be positive"),
 ])
 def test_a_bad_retention_rule_is_named(kwargs, message):
-    args = {"interval": 0, "block": 1, "hash_block": 1, "alignment": 1, "scheduler_block": 1} | kwargs
+    args = {"interval": 0, "effective_block_size": 1, "hash_block_size": 1, "alignment": 1, "scheduler_block_size": 1} | kwargs
     with pytest.raises(ValueError, match=message):
         RetentionRule(**args)
     RetentionRule(**(args | {k: (0 if k == "interval" else 1) for k in kwargs}))  # the edge is accepted

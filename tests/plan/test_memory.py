@@ -7,9 +7,9 @@ import types
 
 import pytest
 
-from kvproof.impl.replay import replay
 from kvproof.impl.scheduler import CapacityError
-from kvproof.impl.trace import TraceRequest
+from kvproof.sim.replay import replay
+from kvproof.sim.trace import TraceRequest
 from kvproof.planner.memory import (
     GIB, ModelMemory, expand_groups, largest_request, plan_pool, request_blocks, vllm_attention_block_size,
 )

@@ -10,11 +10,11 @@ import random
 import pytest
 
 from kvproof.cli.main import main
-from kvproof.impl.mooncake import iter_mooncake, to_trace_request
-from kvproof.impl.replay import replay
-from kvproof.impl.trace import read_trace
 from kvproof.planner.memory import ModelMemory, plan_pool
 from kvproof.planner.run import config_layout
+from kvproof.sim.mooncake import iter_mooncake, to_trace_request
+from kvproof.sim.replay import replay
+from kvproof.sim.trace import read_trace
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 

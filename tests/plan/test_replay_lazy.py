@@ -7,9 +7,9 @@ import gc
 
 import pytest
 
-from kvproof.impl.replay import StepLimitError, replay
 from kvproof.impl.request import Request
-from kvproof.impl.trace import TraceRequest
+from kvproof.sim.replay import StepLimitError, replay
+from kvproof.sim.trace import TraceRequest
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 

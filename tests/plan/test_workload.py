@@ -11,9 +11,9 @@ import threading
 
 import pytest
 
-from kvproof.impl.mooncake import iter_mooncake, to_trace_request
-from kvproof.impl.trace import read_trace
-from kvproof.impl.workload import GeneratorSpec, generate, read_workload
+from kvproof.sim.mooncake import iter_mooncake, to_trace_request
+from kvproof.sim.trace import read_trace
+from kvproof.sim.workload import GeneratorSpec, generate, read_workload
 
 
 def write(tmp_path, name, lines):

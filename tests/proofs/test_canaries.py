@@ -19,6 +19,7 @@ import re
 import pytest
 
 from kvproof.proofs.registry import REFUTED, all_obligations
+from kvproof.spec.arith import cdiv
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[2] / "proofs" / "golden"
 CANARIES = [o for o in all_obligations() if o.is_canary]
@@ -55,5 +56,5 @@ def _is_old_width_bug(counterexample: str) -> bool:
     if m is None:
         return False
     bs, sp, dcp, max_len, returned = map(int, m.groups())
-    needed = -(-max_len // bs) + sp
-    return returned == -(-max_len // (bs * dcp)) + sp and returned < needed
+    needed = cdiv(max_len, bs) + sp
+    return returned == cdiv(max_len, bs * dcp) + sp and returned < needed

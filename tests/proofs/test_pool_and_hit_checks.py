@@ -75,10 +75,10 @@ def test_the_real_pool_passes_the_small_scope_and_refuses_bad_input():
 
 
 def test_a_joint_hit_that_ignores_the_alignment_breaks_inv_hit_bound(monkeypatch):
-    def hash_aligned(views, bound, alignment, hash_size, hashed_len):
-        n = floor_to(max(min(bound, hashed_len), 0), hash_size)
-        while n > 0 and not all(spec_hit.usable(v, n, hash_size, hashed_len) for v in views):
-            n -= hash_size
+    def hash_aligned(views, bound, alignment, hash_block_size, hashed_len):
+        n = floor_to(max(min(bound, hashed_len), 0), hash_block_size)
+        while n > 0 and not all(spec_hit.usable(v, n, hash_block_size, hashed_len) for v in views):
+            n -= hash_block_size
         return n
 
     monkeypatch.setattr(hit_check, "joint_hit", guard_like(spec_hit.joint_hit, hash_aligned))
@@ -88,8 +88,8 @@ def test_a_joint_hit_that_ignores_the_alignment_breaks_inv_hit_bound(monkeypatch
 
 
 def test_a_usable_that_forgets_the_eagle_unit_is_caught_per_group(monkeypatch):
-    def no_eagle(view, n, hash_size, hashed_len):
-        return spec_hit.usable(dataclasses.replace(view, eagle_unit=0), n, hash_size, hashed_len)
+    def no_eagle(view, n, hash_block_size, hashed_len):
+        return spec_hit.usable(dataclasses.replace(view, eagle_unit=0), n, hash_block_size, hashed_len)
 
     monkeypatch.setattr(hit_check, "usable", no_eagle)
     outcome = hit_check.check_joint_hit(hit_check.coordinator_fixpoint, hit_check.as_given, 30.0)

@@ -12,9 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvproof.impl.replay import replay
 from kvproof.impl.scheduler import CapacityError
-from kvproof.impl.trace import TraceRequest
+from kvproof.sim.replay import replay
+from kvproof.sim.trace import TraceRequest
+from kvproof.spec.arith import cdiv
 from kvproof.spec.capacity import blocks_alone, check_fits_alone
 from kvproof.spec.contracts import guard_like
 from kvproof.spec.groups import CacheGroup, GroupKind
@@ -51,7 +52,7 @@ def test_capacity_contract_fires_on_a_rule_that_overcounts_or_drops_window_block
     that fits, and a window needs its last min(n, window) tokens, no more blocks than n has."""
     fa = layout(CacheGroup(FA, 16))
     with pytest.raises(icontract.ViolationError, match="INV-CAPACITY-ALONE"):
-        guard_like(blocks_alone, lambda layout, num_tokens: (-(-num_tokens // 16) + 1,))(fa, 32)
+        guard_like(blocks_alone, lambda layout, num_tokens: (cdiv(num_tokens, 16) + 1,))(fa, 32)
     sw = layout(CacheGroup(SW, 4, sliding_window=8))
     with pytest.raises(icontract.ViolationError, match="INV-CAPACITY-ALONE"):
         guard_like(blocks_alone, lambda layout, num_tokens: (1,))(sw, 20)  # 8 tokens need 2 blocks

@@ -148,8 +148,8 @@ def test_the_thorough_profile_reaches_every_property_test(tmp_path):
 @pytest.mark.parametrize("slow", [False, True])
 def test_replay_slow_turns_the_switch_on_for_the_run(slow):
     """`kvproof replay --slow` (replay(slow=True)) runs every call with the slow switch on."""
-    from kvproof.impl.replay import replay
-    from kvproof.impl.trace import TraceRequest
+    from kvproof.sim.replay import replay
+    from kvproof.sim.trace import TraceRequest
     from kvproof.spec.groups import CacheGroup, GroupKind
     from kvproof.spec.layout import LayoutConfig, resolve_layout
 

@@ -21,6 +21,7 @@ from kvproof.spec.geometry import (
     table_entries_needed,
 )
 from kvproof.spec.groups import CacheGroup, GroupKind, MambaCacheMode
+from kvproof.spec.layout import LayoutConfig, resolve_layout
 from kvproof.spec.placement import table_index
 
 FA, MLA, SWA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MLA, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
@@ -79,6 +80,17 @@ def test_seed_bug_numbers_old_rule_is_an_eighth():
     new = max_num_blocks_per_req(mamba, 8, 1_048_576)
     assert (old, new) == (8_192, 65_536)
     assert table_index(1_048_575, 16, 8, sharded=False) == 65_535 >= old
+
+
+def test_the_eagle_unit_is_a_hash_block_inside_blocks_and_a_block_on_the_block_grid():
+    """FA 8 + Mamba 8 at DCP 2 (attention blocks of 16), H 2: hits may end inside attention
+    blocks, so the draft recomputes one hash block; with partial hits off they are block
+    aligned, and it recomputes the whole 16-token block."""
+    groups = (CacheGroup(FA, 8), CacheGroup(MAMBA, 8))
+    fine = resolve_layout(LayoutConfig(groups, dcp=2, max_model_len=256, hash_block_size=2))
+    assert fine.cache_hit_alignment == 2 and fine.eagle_unit(fine.groups[0]) == 2
+    coarse = resolve_layout(LayoutConfig(groups, dcp=2, max_model_len=256, hash_block_size=2, allow_partial_hash_hits=False))
+    assert coarse.groups[0].effective_block_size == 16 and coarse.eagle_unit(coarse.groups[0]) == 16
 
 
 def test_sliding_window_forces_fallback_with_reason():

@@ -84,7 +84,7 @@ def test_partial_rule_with_strict_inequality_under_dcp_is_the_old_bug_not_a_cont
     groups = (CacheGroup(GroupKind.FULL_ATTENTION, 256), CacheGroup(GroupKind.MAMBA, 256))
     always_on = guard_like(
         geometry.partial_hash_hits,
-        lambda groups, dcp, hash_size, allow=True: geometry.PartialHitDecision(True, "always"),
+        lambda groups, dcp, hash_block_size, allow=True: geometry.PartialHitDecision(True, "always"),
     )
     with fires("INV-GEOM-PARTIAL-RULE"):
         always_on(groups, 1, 256)  # TP with Mamba block == H: must stay block-aligned
@@ -106,7 +106,7 @@ def test_partial_grid_contract():
 
 def test_hit_alignment_contract():
     with fires("INV-GEOM-HIT-ALIGN"):
-        guard_like(geometry.cache_hit_alignment, lambda scheduler_size, hash_size, partial: hash_size * 3)(512, 256, True)
+        guard_like(geometry.cache_hit_alignment, lambda scheduler_size, hash_block_size, partial: hash_block_size * 3)(512, 256, True)
 
 
 def test_placement_contracts(monkeypatch):

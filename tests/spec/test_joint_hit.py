@@ -1,12 +1,12 @@
-"""spec/joint_hit.py by worked examples: what each kind of group can restore, the joint hit's
-bounds and the fixpoint's edge cases (the coordinator's state machine compares the spec with
-the implementation on generated traffic; these pin the cases it reaches rarely)."""
+"""spec/joint_hit.py by worked examples: what each kind of group can restore and the joint hit's
+bounds (the coordinator's state machine compares the spec with the implementation on generated
+traffic; these pin the cases it reaches rarely; the fixpoint's edge cases: tests/impl/test_fixpoint.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvproof.spec.joint_hit import ATTENTION, MAMBA, WINDOW, GroupView, fixpoint, joint_hit, usable
+from kvproof.spec.joint_hit import ATTENTION, MAMBA, WINDOW, GroupView, joint_hit, usable
 
 
 def keys(*lengths):
@@ -39,32 +39,17 @@ def test_mamba_restores_exactly_its_stored_lengths_and_a_window_its_last_blocks(
 def test_the_joint_hit_is_the_largest_length_every_group_restores():
     attention = GroupView(ATTENTION, 4, keys(4, 8, 12, 16))
     mamba = GroupView(MAMBA, 4, keys(8, 16))
-    assert joint_hit((attention, mamba), bound=15, alignment=4, hash_size=4, hashed_len=16) == 8
-    assert joint_hit((attention, mamba), bound=16, alignment=4, hash_size=4, hashed_len=16) == 16
-    assert joint_hit((GroupView(ATTENTION, 4, keys(4)),), bound=7, alignment=1, hash_size=1, hashed_len=16) == 4
-    assert joint_hit((GroupView(MAMBA, 4, keys()),), bound=5, alignment=1, hash_size=1, hashed_len=8) == 0
-    assert joint_hit((GroupView(MAMBA, 4, keys(1)),), bound=0, alignment=1, hash_size=1, hashed_len=8) == 0
+    assert joint_hit((attention, mamba), bound=15, alignment=4, hash_block_size=4, hashed_len=16) == 8
+    assert joint_hit((attention, mamba), bound=16, alignment=4, hash_block_size=4, hashed_len=16) == 16
+    assert joint_hit((GroupView(ATTENTION, 4, keys(4)),), bound=7, alignment=1, hash_block_size=1, hashed_len=16) == 4
+    assert joint_hit((GroupView(MAMBA, 4, keys()),), bound=5, alignment=1, hash_block_size=1, hashed_len=8) == 0
+    assert joint_hit((GroupView(MAMBA, 4, keys(1)),), bound=0, alignment=1, hash_block_size=1, hashed_len=8) == 0
 
 
 def test_the_joint_hit_refuses_negative_bounds():
     view = GroupView(MAMBA, 4, keys())
     with pytest.raises(ValueError, match="bound -1 and hashed_len 0 must be >= 0"):
-        joint_hit((view,), bound=-1, alignment=1, hash_size=1, hashed_len=0)
+        joint_hit((view,), bound=-1, alignment=1, hash_block_size=1, hashed_len=0)
     with pytest.raises(ValueError, match="bound 0 and hashed_len -1 must be >= 0"):
-        joint_hit((view,), bound=0, alignment=1, hash_size=1, hashed_len=-1)
-    assert joint_hit((view,), bound=0, alignment=1, hash_size=1, hashed_len=0) == 0
-
-
-def test_the_fixpoint_of_no_candidate_asks_no_group():
-    asked = []
-    finder = lambda n: (asked.append(n), (n, "blocks"))[1]  # noqa: E731
-    assert fixpoint([finder], 0) == (0, [None], 0, 0) and asked == []
-    assert fixpoint([finder], 1) == (1, ["blocks"], 1, 1) and asked == [1]
-
-
-def test_the_fixpoint_reports_the_longest_single_group_answer_and_its_passes():
-    attention = lambda n: (min(n, 12), "a")  # noqa: E731
-    mamba = lambda n: (8 if n >= 8 else 0, "m")  # noqa: E731
-    assert fixpoint([attention, mamba], 16) == (8, ["a", "m"], 12, 2)
-    assert fixpoint([attention, lambda n: (0, "none")], 16) == (0, ["a", "none"], 12, 1)
-    assert fixpoint([lambda n: (0, "none")], 16) == (0, ["none"], 0, 1)  # no group restores anything
+        joint_hit((view,), bound=0, alignment=1, hash_block_size=1, hashed_len=-1)
+    assert joint_hit((view,), bound=0, alignment=1, hash_block_size=1, hashed_len=0) == 0

@@ -201,7 +201,7 @@ def test_partial_hits_with_only_a_stateless_mamba_group_break_the_rule():
 
     groups = (CacheGroup(GroupKind.FULL_ATTENTION, 4), CacheGroup(GroupKind.MAMBA, 8, mamba_cache_mode="none"))
     assert not partial_hash_hits(groups, 1, 4).enabled
-    always = guard_like(partial_hash_hits, lambda groups, dcp, hash_size, allow=True: PartialHitDecision(True, "on"))
+    always = guard_like(partial_hash_hits, lambda groups, dcp, hash_block_size, allow=True: PartialHitDecision(True, "on"))
     with pytest.raises(icontract.ViolationError, match="INV-GEOM-PARTIAL-RULE"):
         always(groups, 1, 4)
 
@@ -322,7 +322,7 @@ def test_partial_hits_where_a_group_cannot_end_a_prefix_at_every_hash_boundary_b
 
     groups = (CacheGroup(GroupKind.SLIDING_WINDOW, 2, sliding_window=4), CacheGroup(GroupKind.MAMBA, 2))
     assert not partial_hash_hits(groups, 1, 1).enabled
-    always = guard_like(partial_hash_hits, lambda groups, dcp, hash_size, allow=True: PartialHitDecision(True, "on"))
+    always = guard_like(partial_hash_hits, lambda groups, dcp, hash_block_size, allow=True: PartialHitDecision(True, "on"))
     with pytest.raises(icontract.ViolationError, match="INV-GEOM-PARTIAL-RULE"):
         always(groups, 1, 1)
 

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvproof.spec.arith import cdiv
 from kvproof.spec.placement import (
     PAD_SLOT,
     local_position,
@@ -54,7 +55,7 @@ def placements(draw):
 @given(placements(), st.integers(0, 600))
 def test_every_sharded_position_has_exactly_one_owner_and_distinct_slots(placement, num_tokens):
     block_size, dcp, interleave = placement
-    n_blocks = -(-max(num_tokens, 1) // (block_size * dcp))
+    n_blocks = cdiv(max(num_tokens, 1), block_size * dcp)
     row = tuple(range(7, 7 + n_blocks))  # distinct block ids
     positions = tuple(range(num_tokens))
     per_rank = [slot_mapping(positions, row, block_size, dcp, interleave, r, True) for r in range(dcp)]

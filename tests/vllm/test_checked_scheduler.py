@@ -21,10 +21,10 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager  # noqa: E402
 from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec  # noqa: E402
 
-from kvproof.impl.trace import TraceRequest  # noqa: E402
 from kvproof.integrations.vllm.checked_scheduler import CheckedScheduler, install_checks  # noqa: E402
 from kvproof.integrations.vllm.engine_harness import EngineHarness  # noqa: E402
 from kvproof.integrations.vllm.worker_model import OracleHook  # noqa: E402
+from kvproof.sim.trace import TraceRequest  # noqa: E402
 from kvproof.spec.contracts import InvariantViolation  # noqa: E402
 from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402

@@ -20,12 +20,12 @@ from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator  # noqa: 
 from vllm.v1.engine.llm_engine import LLMEngine  # noqa: E402
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, MambaSpec  # noqa: E402
 
-from kvproof.impl.trace import TraceRequest  # noqa: E402
 from kvproof.integrations.vllm import cpu_executor  # noqa: E402
 from kvproof.integrations.vllm.cpu_executor import model_kv_cache_specs, staged_gpu_memory  # noqa: E402
 from kvproof.integrations.vllm.engine_harness import EngineHarness  # noqa: E402
 from kvproof.integrations.vllm.kv_specs import layout_from_vllm  # noqa: E402
 from kvproof.integrations.vllm.tiny_model import tiny_model_dir  # noqa: E402
+from kvproof.sim.trace import TraceRequest  # noqa: E402
 from kvproof.spec.contracts import InvariantViolation  # noqa: E402
 
 EXECUTOR = "kvproof.integrations.vllm.cpu_executor.CpuStagingExecutor"

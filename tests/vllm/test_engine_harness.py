@@ -1,11 +1,9 @@
 """The hand-driven vLLM 0.33.0 Scheduler (kvproof.integrations.vllm.engine_harness) on scenarios
 whose answers are known from docs/vllm-semantics.md or from vLLM's own
-manager driven by benchmarks/vllm_baseline.py."""
+manager driven by kvproof's scheduler (integrations/vllm/manager_adapter.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import random
 
 import pytest
@@ -14,18 +12,19 @@ pytestmark = pytest.mark.vllm
 
 pytest.importorskip("vllm")
 
-from kvproof.impl.replay import replay  # noqa: E402
 from kvproof.impl.request import Request  # noqa: E402
 from kvproof.impl.scheduler import Scheduler  # noqa: E402
-from kvproof.impl.trace import TraceRequest  # noqa: E402
 from kvproof.integrations.vllm.engine_harness import EngineHarness, HarnessStalled, StepHook  # noqa: E402
+from kvproof.integrations.vllm.manager_adapter import VllmManagerAdapter  # noqa: E402
+from kvproof.sim.drive import drain  # noqa: E402
+from kvproof.sim.replay import replay  # noqa: E402
+from kvproof.sim.trace import TraceRequest  # noqa: E402
 from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
 
 from .traces import conversations  # noqa: E402
 
 FA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def layout_for(groups, dcp=1, hash_block_size=None, max_model_len=4096, **options):
@@ -133,34 +132,23 @@ def test_shared_prefix_junction_is_checkpointed():
 
 # --- the same answers as vLLM's manager under kvproof's driver ------------------------------------
 
-def _load_baseline():
-    spec = importlib.util.spec_from_file_location("vllm_baseline", BENCHMARKS / "vllm_baseline.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-
-
 @pytest.mark.parametrize("dcp", [1, 2, 4])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_hits_equal_the_baseline_adapter_on_attention_only_chats(dcp, seed):
     """With one full-attention group there is no chunk-split rule and no junction, and the
     requests never overlap: vLLM's Scheduler and vLLM's manager under kvproof's driver
-    (benchmarks/vllm_baseline.py) must agree on every request's hit, the steps and the copies.
+    (integrations/vllm/manager_adapter.py) must agree on every request's hit, the steps and the copies.
     Zero-output turns are in the trace (the harness finishes them right after prefill)."""
-    vb = _load_baseline()
     layout = layout_for([CacheGroup(FA, 16)], dcp)
     trace = conversations(seed)
     assert any(not t.output for t in trace)
     result = EngineHarness(layout, 400, max_num_batched_tokens=64).run(trace)
 
-    kv = vb.VllmManagerAdapter(layout, 400, max_num_batched_tokens=64)
+    kv = VllmManagerAdapter(layout, 400, max_num_batched_tokens=64)
     sched = Scheduler(kv, max_num_batched_tokens=64)
     for t in trace:
         sched.add_request(Request(t.id, t.prompt, layout.hash_block_size, arrival=t.arrival, expected_outputs=t.output))
-    while sched.has_unfinished():
-        sched.finish_step(sched.schedule())
+    drain(sched)
     assert result.num_cached_tokens == {r.request_id: r.num_cached_tokens for r in sched.finished}
     assert sum(result.num_cached_tokens.values()) > 0
     assert (result.num_steps, result.copies) == (sched.step, kv.num_copies)
@@ -171,7 +159,6 @@ def test_hits_equal_the_baseline_adapter_on_block_aligned_siblings(dcp):
     """tests/vllm/test_vllm_differential.py's sibling scenario (FA 64 + Mamba 64), through vLLM's
     whole Scheduler: the producer is split at 256, later siblings sharing 256 tokens hit 256,
     one sharing only 200 hits nothing."""
-    vb = _load_baseline()
     layout = layout_for([CacheGroup(FA, 64), CacheGroup(MAMBA, 64)], dcp)
     prefix = tuple(range(5000, 5256))
     trace = [TraceRequest("p", prefix + tuple(range(10)), (1, 2, 3), arrival=1),
@@ -179,12 +166,11 @@ def test_hits_equal_the_baseline_adapter_on_block_aligned_siblings(dcp):
              TraceRequest("s2", prefix + tuple(range(200, 203)), (5, 6), arrival=30),
              TraceRequest("s3", prefix[:200] + tuple(range(300, 380)), (7,), arrival=40)]
     result = EngineHarness(layout, 256, max_num_batched_tokens=8192).run(trace)
-    kv = vb.VllmManagerAdapter(layout, 256, retention_interval=layout.config.retention_interval)
+    kv = VllmManagerAdapter(layout, 256, retention_interval=layout.config.retention_interval)
     sched = Scheduler(kv, max_num_batched_tokens=8192)
     for t in trace:
         sched.add_request(Request(t.id, t.prompt, layout.hash_block_size, arrival=t.arrival, expected_outputs=t.output))
-    while sched.has_unfinished():
-        sched.finish_step(sched.schedule())
+    drain(sched)
     assert result.num_cached_tokens == {r.request_id: r.num_cached_tokens for r in sched.finished}
     assert result.num_cached_tokens == {"p": 0, "s1": 256, "s2": 256, "s3": 0}
 

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
-from kvproof.impl.trace import TraceRequest  # noqa: E402
 from kvproof.integrations.vllm.parity import ParityOptions, compare  # noqa: E402
+from kvproof.sim.trace import TraceRequest  # noqa: E402
 from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
 

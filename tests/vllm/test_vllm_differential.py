@@ -1,4 +1,4 @@
-"""kvproof's manager against vLLM 0.33.0's own manager (benchmarks/vllm_baseline.py) on
+"""kvproof's manager against vLLM 0.33.0's own manager (integrations/vllm/manager_adapter.py) on
 scenarios where the two agree by design: the hit lengths (and copies) must be equal.
 
 They do not agree everywhere -- kvproof keys blocks after the forward pass, keeps Mamba states
@@ -9,9 +9,6 @@ chunk ends only where both managers keep a state.
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 
 pytestmark = pytest.mark.vllm
@@ -21,28 +18,17 @@ pytest.importorskip("vllm")
 from kvproof.impl.kv_cache_manager import KVCacheManager  # noqa: E402
 from kvproof.impl.request import Request  # noqa: E402
 from kvproof.impl.scheduler import Scheduler  # noqa: E402
-from kvproof.impl.trace import TraceRequest  # noqa: E402
+from kvproof.integrations.vllm.manager_adapter import VllmManagerAdapter  # noqa: E402
+from kvproof.sim import drive  # noqa: E402
+from kvproof.sim.trace import TraceRequest  # noqa: E402
 from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
 
 FA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load_baseline():
-    # benchmarks/ is not a package; load the file by path (it imports its sibling counting.py;
-    # manager.py, which drops ICONTRACT_SLOW when imported, stays out).
-    spec = importlib.util.spec_from_file_location("vllm_baseline", BENCHMARKS / "vllm_baseline.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-vb = _load_baseline()
 
 MANAGERS = {
     "kvproof": lambda layout, n: KVCacheManager(layout, n),
-    "vllm": lambda layout, n: vb.VllmManagerAdapter(layout, n),
+    "vllm": lambda layout, n: VllmManagerAdapter(layout, n),
 }
 
 
@@ -59,27 +45,14 @@ def _req(rid, tokens, layout, outputs=()):
 
 def run_chunks(kv, req, chunks):
     """Schedule ``req`` alone for each chunk size in turn (lookup on its first chunk)."""
-    copies = []
-    for i, n in enumerate(chunks):
-        kv.begin_step()
-        hit = kv.lookup(req) if i == 0 else None
-        assert kv.allocate_slots(req, n, hit) is not None
-        copies = kv.take_block_copies()
-        req.num_computed_tokens += n
-        kv.cache(req)
-    return copies
+    assert all(run.blocks is not None for run in drive.run_chunks(kv, req, chunks))
 
 
 def admit(kv, req, n):
     """One step admitting ``req``: look it up, allocate ``n`` tokens after its hit, run."""
-    kv.begin_step()
-    hit = kv.lookup(req)
-    blocks = kv.allocate_slots(req, n, hit)
-    copies = kv.take_block_copies()
-    assert blocks is not None
-    req.num_computed_tokens = hit.num_tokens + n
-    kv.cache(req)
-    return hit.num_tokens, len(copies)
+    run = drive.run_chunk(kv, req, n)
+    assert run.blocks is not None
+    return run.hit.num_tokens, len(run.copies)
 
 
 def k3(kind, dcp):
@@ -105,7 +78,7 @@ def test_adapter_layout_matches_vllm_rule_for_k3():
     """kvproof's derived partial-hit rule and alignment are vLLM's own for K3
     (docs/vllm-semantics.md §1)."""
     for dcp, partial in [(1, False), (2, True)]:
-        kv = vb.VllmManagerAdapter(layout_for([CacheGroup(FA, 256), CacheGroup(MAMBA, 256)], dcp), 32)
+        kv = VllmManagerAdapter(layout_for([CacheGroup(FA, 256), CacheGroup(MAMBA, 256)], dcp), 32)
         assert kv.disagreements == []
         assert kv.coordinator.partial_hash_hits is partial
         assert kv.coordinator.alignment == 256
@@ -119,8 +92,7 @@ def schedule_trace(kind, layout, trace, budget, num_blocks=256):
     for t in trace:
         sched.add_request(Request(t.id, t.prompt, layout.hash_block_size, arrival=t.arrival,
                                   expected_outputs=t.output))
-    while sched.has_unfinished():
-        sched.finish_step(sched.schedule())
+    drive.drain(sched)
     assert len(sched.finished) == len(trace)
     # Everything goes back to the pool, CoW retentions included (block 0 is the null block).
     # kvproof releases a step's retentions when the next step begins; vLLM as soon as the
@@ -155,26 +127,3 @@ def test_shared_prefix_siblings_hit_the_block_aligned_checkpoint(dcp):
              TraceRequest("s3", prefix[:200] + tuple(range(300, 380)), (7,), arrival=40)]
     ours, theirs = (schedule_trace(k, layout, trace, budget=8192) for k in ("kvproof", "vllm"))
     assert ours == theirs == {"p": 0, "s1": 256, "s2": 256, "s3": 0}
-
-
-# --- the benchmark entry point -------------------------------------------------------------------
-
-def test_run_vllm_reports_run_kvproof_keys():
-    from kvproof.cli.layout_args import parse_group
-
-    layout = resolve_layout(LayoutConfig((parse_group("full_attention:64"), parse_group("mamba:64")),
-                                         dcp=2, max_model_len=1 << 20))
-    prefix = tuple(range(512))
-    trace = [TraceRequest(f"r{i}", prefix + tuple(range(1000 * i, 1000 * i + 40 + i)), tuple(range(5)),
-                          arrival=i // 2) for i in range(12)]
-    out = vb.run_vllm(trace, layout, 2000, 1024)
-    assert set(out) == {"ops", "seconds", "ops_per_s", "us_per_lookup", "hit_rate", "copies", "steps"}
-    # lookups + one allocation per prefill chunk / decode step + frees: at least 12 * (1 + 5 + 1)
-    assert out["ops"] >= 12 * 7
-    assert 0 < out["hit_rate"] < 1
-
-
-def test_both_benchmark_sides_count_the_same_calls():
-    """benchmarks/manager.py's two columns share one counting mixin and one driver."""
-    assert vb.CountingVllmAdapter.__mro__[1].__name__ == "CountingMixin"
-    assert {"lookup", "allocate_slots", "free"} <= set(vars(vb.CountingMixin))

@@ -24,9 +24,9 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 pytest.importorskip("psutil")
 
-from kvproof.impl.replay import replay  # noqa: E402
-from kvproof.impl.trace import TraceRequest  # noqa: E402
 from kvproof.integrations.vllm.engine_harness import EngineHarness, StepHook  # noqa: E402
+from kvproof.sim.replay import replay  # noqa: E402
+from kvproof.sim.trace import TraceRequest  # noqa: E402
 from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
 
@@ -71,13 +71,13 @@ def name_difference(rid, vllm_hit, ours, trace, junctions, layout):
     """
     index = [t.id for t in trace].index(rid)
     prompt = trace[index].prompt
-    mamba_block, hash_block = layout.groups[0].group.block_size, layout.hash_block_size
+    mamba_block, hash_block_size = layout.groups[0].group.block_size, layout.hash_block_size
     for other in trace[:index]:
         j = junctions.junction.get(other.id, 0)
         if j and junctions.first_chunk_end.get(other.id) == vllm_hit == j - j % mamba_block:
             return f"{rid}: vLLM {vllm_hit}, kvproof {ours} -- vLLM checkpointed {other.id}'s shared-prefix junction"
     for other in trace[:index]:
-        tail = (len(other.prompt) - 1) // hash_block * hash_block
+        tail = (len(other.prompt) - 1) // hash_block_size * hash_block_size
         if tail == vllm_hit and other.prompt[:tail] == prompt[:tail]:
             return (f"{rid}: vLLM {vllm_hit}, kvproof {ours} -- vLLM hit {other.id}'s prompt-tail key, kept as an "
                     "alias after its block filled")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from kvproof.impl.trace import TraceRequest
+from kvproof.sim.trace import TraceRequest
 
 
 def conversations(seed, num=3, turns=4, gap=60):

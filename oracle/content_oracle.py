@@ -71,8 +71,8 @@ def _same(a: _Prefix, b: _Prefix, q: int) -> bool:
 class _Shape(NamedTuple):
     gid: int
     state: bool  # Mamba: one state per block; else attention KV
-    bs: int  # physical block size on one rank
-    span: int  # positions one row entry covers (B_g; the spec's effective block size)
+    block_size: int  # per-rank block size b_g: slots of one block on one rank
+    effective_block_size: int  # B_g: positions one row entry covers (b_g x DCP when sharded)
     sharded: bool  # DCP shards its positions over ranks (dcp > 1)
     cacheable: bool  # Mamba none keeps one running state at row index 0
     width: int  # worker row width
@@ -98,7 +98,7 @@ class ContentOracle:
         self._kv_groups = [g for g in self.groups if not g.state]
         # (group, block) -> per rank: sorted, disjoint segments (lo, hi, prefix, base): the slots
         # lo..hi-1 of the block hold prefix's KV of positions base + slot (base: the row index
-        # times the block's span, for the request that wrote them)
+        # times the effective block size, for the request that wrote them)
         self._kv: dict[tuple[int, int], list[list[tuple[int, int, _Prefix, int]]]] = {}
         # (group, block) -> (prefix, n): the state after the first n tokens of prefix (every rank)
         self._states: dict[tuple[int, int], tuple[_Prefix, int]] = {}
@@ -196,16 +196,16 @@ class ContentOracle:
 
     def _blocks(self, g: _Shape, row: list[int], lo: int, hi: int):
         """(row index, block, first, end) for each row entry the positions ``[lo, hi)`` fall in,
-        or None when they reach past the row. Entry i covers ``[i * span, (i + 1) * span)``
+        or None when they reach past the row. Entry i covers ``[i * B_g, (i + 1) * B_g)``
         (INV-SLOT-TABLE-INDEX), so only the two ends need the spec's ``table_index``."""
-        first = _table_index(lo, g.bs, self.dcp, g.sharded)
-        last = first if hi - lo == 1 else _table_index(hi - 1, g.bs, self.dcp, g.sharded)
+        first = _table_index(lo, g.block_size, self.dcp, g.sharded)
+        last = first if hi - lo == 1 else _table_index(hi - 1, g.block_size, self.dcp, g.sharded)
         if last >= len(row):
             return None
-        span = g.span
+        b = g.effective_block_size
         if first == last:
             return ((first, row[first], lo, hi),)
-        return [(i, row[i], max(lo, i * span), min(hi, (i + 1) * span)) for i in range(first, last + 1)]
+        return [(i, row[i], max(lo, i * b), min(hi, (i + 1) * b)) for i in range(first, last + 1)]
 
     # --- copies and writes ----------------------------------------------------------------------
 
@@ -234,13 +234,13 @@ class ContentOracle:
         dcp = self.dcp
         for g in self._state_groups:
             row = rows[g.gid]
-            i = _table_index(end - 1, g.bs, dcp, False) if g.cacheable else 0
+            i = _table_index(end - 1, g.block_size, dcp, False) if g.cacheable else 0
             if i < len(row):
                 self._states[(g.gid, row[i])] = (prefix, end)
         for g in self._kv_groups:
             row = rows[g.gid]
             if end - start == 1:  # a decode step: one position, one block, its owner rank(s)
-                i = _table_index(start, g.bs, dcp, g.sharded)
+                i = _table_index(start, g.block_size, dcp, g.sharded)
                 blocks = ((i, row[i], start, end),) if i < len(row) else ()
             else:
                 blocks = self._blocks(g, row, start, end) or ()
@@ -249,7 +249,7 @@ class ContentOracle:
                 pages = self._kv.get(key)
                 if pages is None:
                     pages = self._kv[key] = [[] for _ in range(dcp)]
-                base = i * g.span
+                base = i * g.effective_block_size
                 lo, hi = lo - base, hi - base  # offsets in the block: what the slots are
                 overwrote = False
                 for r in self._ranks(g, lo, hi):
@@ -291,7 +291,7 @@ class ContentOracle:
             return
         for g in self._state_groups:
             row = rows[g.gid]
-            i = _table_index(start - 1, g.bs, self.dcp, False) if g.cacheable else 0
+            i = _table_index(start - 1, g.block_size, self.dcp, False) if g.cacheable else 0
             blk = row[i] if i < len(row) else None
             held = self._states.get((g.gid, blk))
             if held is None or held[1] != start or not (held[0] is prefix or _same(held[0], prefix, start - 1)):
@@ -315,7 +315,7 @@ class ContentOracle:
             if blocks is None:
                 self._violation(
                     "INV-CONTENT-KV",
-                    f"request {rid!r}, group {g.gid}: position {end - 1} reads row index {_table_index(end - 1, g.bs, self.dcp, g.sharded)}, "
+                    f"request {rid!r}, group {g.gid}: position {end - 1} reads row index {_table_index(end - 1, g.block_size, self.dcp, g.sharded)}, "
                     f"past the {len(row)} entries the row holds",
                 )
                 return
@@ -324,7 +324,7 @@ class ContentOracle:
                 key = (g.gid, blk)
                 # What this chunk just wrote holds its KV unless another write or a copy of this
                 # step replaced it since: those go through _changed.
-                bad = None if own and key not in self._changed_now else self._check_block(g, key, a, b, prefix, i * g.span)
+                bad = None if own and key not in self._changed_now else self._check_block(g, key, a, b, prefix, i * g.effective_block_size)
                 if bad is not None:
                     self._violation(
                         "INV-CONTENT-KV",
@@ -344,11 +344,11 @@ class ContentOracle:
         self._changed_now.add(key)
         readers = self._readers.pop(key, None)
         if readers:
-            span = self.groups[key[0]].span
+            b = self.groups[key[0]].effective_block_size
             for rid, i in readers.items():
                 k = (rid, key[0])
-                if self._verified.get(k, 0) > i * span:
-                    self._verified[k] = i * span
+                if self._verified.get(k, 0) > i * b:
+                    self._verified[k] = i * b
 
     def _check_block(self, g: _Shape, key, lo: int, hi: int, prefix: _Prefix, base: int) -> Optional[tuple[int, int]]:
         """None if every rank holds ``prefix``'s KV for its positions of ``[lo, hi)`` in block

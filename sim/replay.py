@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
-from kvproof.impl.content_oracle import ContentOracle
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
 from kvproof.impl.scheduler import Scheduler, StepPlan
-from kvproof.impl.trace import TraceRequest
+from kvproof.oracle.content_oracle import ContentOracle
+from kvproof.sim.trace import TraceRequest
 from kvproof.spec import contracts
 from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.layout import Layout
@@ -115,7 +115,7 @@ def replay(
     sched = Scheduler(kv, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
     watcher = ContentOracle(layout) if oracle else None
     max_len = layout.config.max_model_len
-    hash_block = layout.hash_block_size
+    hash_block_size = layout.hash_block_size
     result = ReplayResult([], 0, 0, 0, 0, [])
     outcomes: dict[int, RequestOutcome] = {}
     peak = [0] * len(layout.groups)
@@ -140,7 +140,7 @@ def replay(
         need = len(t.prompt) + max(len(t.output) - 1, 0)
         if need > max_len:
             raise ValueError(f"request {t.id!r} needs {need} tokens > max_model_len {max_len}")
-        req = Request(t.id, t.prompt, hash_block, cache_salt=t.cache_salt, arrival=t.arrival, expected_outputs=t.output)
+        req = Request(t.id, t.prompt, hash_block_size, cache_salt=t.cache_salt, arrival=t.arrival, expected_outputs=t.output)
         live[t.id] = (index, req)
         result.num_requests += 1
         sched.add_request(req)

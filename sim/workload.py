@@ -24,8 +24,8 @@ import math
 import random
 from typing import Callable, Iterator, NamedTuple, Optional
 
-from kvproof.impl.mooncake import MooncakeRequest, is_mooncake_record, parse_mooncake_record, to_trace_request
-from kvproof.impl.trace import (
+from kvproof.sim.mooncake import MooncakeRequest, is_mooncake_record, parse_mooncake_record, to_trace_request
+from kvproof.sim.trace import (
     TraceError,
     TraceRequest,
     decode_line,

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from kvproof.impl.mooncake import (
+from kvproof.sim.mooncake import (
     MOONCAKE_BLOCK,
     iter_mooncake,
     is_mooncake_record,

@@ -1,8 +1,10 @@
-"""DCP ranks: real processes on this machine talking torch.distributed over gloo on loopback.
+"""DCP ranks as processes: real processes on this machine joining a torch.distributed gloo group
+on loopback, supervised from start to end (the collectives they then use:
+:mod:`kvproof.e2e.communicators`).
 
 :func:`spawn_ranks` starts ``world_size`` processes, each joining a gloo process group on
 ``127.0.0.1`` at a free port with a timeout, one OpenMP thread each, and runs
-``fn(comm, *args)``. It returns rank 0's result, or raises :class:`RankError` naming the rank
+``fn(comm, *args)`` with ``comm`` its :class:`~kvproof.e2e.communicators.GlooRanks`. It returns rank 0's result, or raises :class:`RankError` naming the rank
 that failed first (its exception's type name and message, or how it died), after every
 process has ended.
 
@@ -16,10 +18,6 @@ error, Ctrl-C, a timeout -- the ranks still running are terminated and reaped fi
 server's socket directory, which a killed caller cannot remove, is removed by the fork server
 itself when it ends (:mod:`kvproof.e2e.forkserver_exit`), and when both were killed, by the
 next run (it names its owner: :mod:`kvproof.leftovers`).
-
-The communicators give the model the two collectives it needs: ``all_gather`` (attention
-partials and their log-sum-exp) and ``broadcast_object`` (rank 0's scheduler plan).
-:class:`SingleRank` is the same interface for DCP 1, run in the calling process.
 """
 
 from __future__ import annotations
@@ -48,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from kvproof import leftovers
+from kvproof.e2e.communicators import GlooRanks
 
 #: Seconds a collective may wait for a peer before gloo gives up (a rank that died or hung).
 COLLECTIVE_TIMEOUT_S = 120
@@ -71,40 +70,6 @@ class RankError(RuntimeError):
     def __init__(self, rank: int, kind: str, message: str) -> None:
         super().__init__(f"rank {rank}: {kind}: {message}")
         self.rank, self.kind, self.message = rank, kind, message
-
-
-class SingleRank:
-    """DCP 1 in the calling process: the collectives are identities."""
-
-    rank = 0
-    size = 1
-
-    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return [tensor]
-
-    def broadcast_object(self, obj: Any) -> Any:
-        return obj
-
-
-class GlooRanks:
-    """This process's rank in the default (gloo) process group."""
-
-    def __init__(self) -> None:
-        self.rank = dist.get_rank()
-        self.size = dist.get_world_size()
-
-    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``tensor`` (same shape on every rank), indexed by rank."""
-        tensor = tensor.contiguous()
-        out = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(out, tensor)
-        return out
-
-    def broadcast_object(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank (the others pass anything)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
 
 
 def free_port() -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvproof.e2e.dcp import RankError, spawn_ranks
+from kvproof.e2e.ranks import RankError, spawn_ranks
 
 
 def _gather_ranks(comm):

@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator, Optional
 
-from kvproof.impl.trace import INT_LIMIT, TraceError, TraceRequest, decode_line, show_value, trace_lines
+from kvproof.sim.trace import INT_LIMIT, TraceError, TraceRequest, decode_line, show_value, trace_lines
+from kvproof.spec.arith import cdiv
 
 #: Tokens per Mooncake hash id.
 MOONCAKE_BLOCK = 512
@@ -77,7 +78,7 @@ def parse_mooncake_record(obj: object, lineno: int, index: int) -> MooncakeReque
         raise TraceError(f"line {lineno}: 'hash_ids' must be a list of integers in [0, {_MAX_HASH_ID}]")
     if input_length == 0:
         raise TraceError(f"line {lineno}: 'input_length' 0; a prompt must hold at least one token")
-    expected = -(-input_length // MOONCAKE_BLOCK)
+    expected = cdiv(input_length, MOONCAKE_BLOCK)
     if len(ids) != expected:
         raise TraceError(
             f"line {lineno}: {len(ids)} hash_ids for input_length {show_value(input_length)}; expected "
