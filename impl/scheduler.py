@@ -201,7 +201,7 @@ class Scheduler:
                     raise CapacityError(
                         req.request_id,
                         f"request {req.request_id!r} cannot get blocks for {end} tokens even with the pool to itself "
-                        f"({self.kv.pool.num_blocks - 1} blocks, {self.kv.pool.num_free} free); raise --num-blocks",
+                        f"({self.kv.num_blocks - 1} blocks, {self.kv.num_free_blocks} free); raise --num-blocks",
                     )
                 return None
 
@@ -220,13 +220,13 @@ class Scheduler:
         raise CapacityError(
             req.request_id,
             f"request {req.request_id!r} cannot get blocks for {end} tokens even with the pool to itself "
-            f"({self.kv.pool.num_blocks - 1} blocks); raise --num-blocks",
+            f"({self.kv.num_blocks - 1} blocks); raise --num-blocks",
         )
 
     def _note_chunk(self, req: Request, start: int, end: int) -> None:
         """Record that ``req`` computes ``[start, end)`` in this step, if it reaches a new length
         on the hit grid (only those can be keyed; most decode steps do not)."""
-        a = self.kv.coordinator.alignment
+        a = self.kv.alignment
         if end // a == start // a:
             return
         self._chunks_this_step.append((req, start, end))
@@ -234,7 +234,7 @@ class Scheduler:
             self._add_keyed(req, start, end)
 
     def _add_keyed(self, req: Request, start: int, end: int) -> None:
-        h = self.kv.layout.hash_block_size
+        h = self.kv.hash_block_size
         self._keyed_this_step.update(req.block_hashes[n // h - 1] for n in self.kv.keyed_lengths(req, start, end))
 
     def _producer_in_flight(self, req: Request, hit: int) -> bool:
@@ -248,7 +248,7 @@ class Scheduler:
         keyed = self._keyed_this_step
         if not keyed:
             return False
-        hashes, h, a = req.block_hashes, self.kv.layout.hash_block_size, self.kv.coordinator.alignment
+        hashes, h, a = req.block_hashes, self.kv.hash_block_size, self.kv.alignment
         top = min(req.num_tokens - 1, len(hashes) * h) // a * a
         return any(hashes[n // h - 1] in keyed for n in range(top, hit, -a))
 
@@ -307,8 +307,8 @@ def _splitter_for(kv: KVCacheManager, budget: int, threshold: int) -> ChunkSplit
         hash_block_size=layout.hash_block_size,
         max_prefill_tokens=min(budget, threshold) if threshold else budget,
         partial_tail=partial_tail,
-        eagle_drop=kv.coordinator.use_eagle,
-        shared_prefix_checkpoint=partial_tail and kv.coordinator.exact_junction,
+        eagle_drop=kv.use_eagle,
+        shared_prefix_checkpoint=partial_tail and kv.exact_junction,
         scheduler_block_size=layout.scheduler_block_size if sparse else 0,
         replay_alignment=layout.cache_hit_alignment if sparse else 0,
     )
