@@ -10,6 +10,7 @@ from kvproof.impl.block_pool import BlockPool
 from kvproof.impl.eviction import EvictionValuer
 from kvproof.impl.managers import MANAGER_FOR_KIND, SingleTypeManager, StepLedger
 from kvproof.impl.request import Request
+from kvproof.spec.arith import cdiv_unchecked
 from kvproof.spec.contracts import InvariantViolation, slow
 from kvproof.spec.joint_hit import fixpoint
 from kvproof.spec.layout import Layout
@@ -141,11 +142,11 @@ class HybridCoordinator:
         if hit:
             for m, bl in zip(self._lookup_order, found):
                 blocks[m.group_id] = bl
-                if len(bl) != -(-hit // m.block_size):
+                if len(bl) != cdiv_unchecked(hit, m.block_size):
                     raise InvariantViolation(
                         "INV-HIT-BLOCKS",
                         f"request {request.request_id!r}, group {m.group_id}: hit {hit} needs "
-                        f"{-(-hit // m.block_size)} blocks, finder returned {len(bl)}",
+                        f"{cdiv_unchecked(hit, m.block_size)} blocks, finder returned {len(bl)}",
                     )
         return Hit(hit, tuple(blocks), self._junctions(hit, longest))
 

@@ -20,6 +20,7 @@ import dataclasses
 import operator
 from typing import Optional
 
+from kvproof.impl.hashing import key_at
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
 from kvproof.impl.chunk_split import ChunkSplitter
@@ -95,7 +96,7 @@ class Scheduler:
         # this step's chunks (request, start, end), and the hashes of the prefixes they will key
         # (hittable after the step), worked out only once a waiting request asks
         self._chunks_this_step: list[tuple[Request, int, int]] = []
-        self._keyed_this_step: Optional[set[bytes]] = None
+        self._keyed_this_step: Optional[set[tuple[bytes, int]]] = None
         self._splitter = _splitter_for(kv, max_num_batched_tokens, long_prefill_token_threshold)
 
     def add_request(self, request: Request) -> None:
@@ -235,7 +236,8 @@ class Scheduler:
 
     def _add_keyed(self, req: Request, start: int, end: int) -> None:
         h = self.kv.hash_block_size
-        self._keyed_this_step.update(req.block_hashes[n // h - 1] for n in self.kv.keyed_lengths(req, start, end))
+        # Group 0's key names the prefix: a set of them tells which prefixes this step keys.
+        self._keyed_this_step.update(key_at(req.block_hashes, n, h, 0) for n in self.kv.keyed_lengths(req, start, end))
 
     def _producer_in_flight(self, req: Request, hit: int) -> bool:
         """Whether this step keys a prefix ``req`` shares beyond ``hit`` (and short of its last
@@ -250,7 +252,7 @@ class Scheduler:
             return False
         hashes, h, a = req.block_hashes, self.kv.hash_block_size, self.kv.alignment
         top = min(req.num_tokens - 1, len(hashes) * h) // a * a
-        return any(hashes[n // h - 1] in keyed for n in range(top, hit, -a))
+        return any(key_at(hashes, n, h, 0) in keyed for n in range(top, hit, -a))
 
     def _preempt(self, request: Request, preempted: list[Request]) -> None:
         self.kv.free(request)

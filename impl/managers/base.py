@@ -10,6 +10,7 @@ from kvproof.impl.block_pool import NULL_BLOCK, BlockPool
 from kvproof.impl.eviction import EvictionValuer
 from kvproof.impl.hashing import key_at
 from kvproof.impl.request import Request
+from kvproof.spec.arith import cdiv_unchecked
 from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.layout import GroupLayout
 
@@ -175,7 +176,7 @@ class SingleTypeManager:
             )
 
     def row_length(self, total_tokens: int) -> int:
-        return -(-total_tokens // self.block_size)
+        return cdiv_unchecked(total_tokens, self.block_size)
 
     @property
     def max_tokens(self) -> int:

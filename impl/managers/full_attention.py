@@ -6,7 +6,9 @@ from __future__ import annotations
 from kvproof.impl.hashing import key_at
 from kvproof.impl.managers.base import GroupRequest, SingleTypeManager
 from kvproof.impl.request import Request
+from kvproof.spec.arith import cdiv_unchecked
 from kvproof.spec.contracts import InvariantViolation
+from kvproof.spec.layout import eagle_unit
 
 
 class AttentionRequest(GroupRequest):
@@ -44,7 +46,7 @@ class FullAttentionManager(SingleTypeManager):
         #: Key every hash boundary written (else only chunk ends); moot without partial hits.
         self._every_hash = self._probe_partial and attention_keys == "every-hash"
         #: EAGLE: the draft recomputes one hash unit (one block when hits are block-aligned).
-        self.eagle_unit = (h if self._probe_partial else b) if self.use_eagle else 0
+        self.eagle_unit = eagle_unit(b, h, a) if self.use_eagle else 0
         self.requests: dict[str, AttentionRequest] = {}
 
     # --- lookup ---------------------------------------------------------------------------------
@@ -79,7 +81,7 @@ class FullAttentionManager(SingleTypeManager):
         hit = covered - self.eagle_unit if covered >= self.eagle_unit else 0
         hit = min(hit, bound)
         hit -= hit % a
-        return hit, blocks[: -(-hit // b)]
+        return hit, blocks[: cdiv_unchecked(hit, b)]
 
     def keyed_lengths(self, request: Request, start: int, end: int):
         """Every length on the hit grid with every-hash keys (and with hits on whole blocks);
@@ -176,7 +178,7 @@ class FullAttentionManager(SingleTypeManager):
                     f"group {gid}: boundary {n} on block {blk} (row index {j}), which already covers "
                     f"{covered(blk)} tokens under another key",
                 )
-            grow(blk, [((hashes[m // h - 1], gid), m) for m in range(n, last + 1, h)])  # key_at's keys
+            grow(blk, [(key_at(hashes, m, h, gid), m) for m in range(n, last + 1, h)])
             keyed.add(blk)
             n = last + h
 

@@ -10,6 +10,7 @@ from kvproof.impl.block_pool import NULL_BLOCK
 from kvproof.impl.hashing import key_at
 from kvproof.impl.managers.base import GroupRequest, SingleTypeManager
 from kvproof.impl.request import Request
+from kvproof.spec.arith import cdiv_unchecked
 from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.retention import RetentionRule, keeps_state
 
@@ -108,7 +109,7 @@ class MambaManager(SingleTypeManager):
         last token; -1 before the first): in mode 'none' always the first."""
         if self._one_state:
             return 0 if num_tokens else -1
-        return -(-num_tokens // self.block_size) - 1
+        return cdiv_unchecked(num_tokens, self.block_size) - 1
 
     def _fresh_needed(self, table: list[int], index: int, new_index: int) -> int:
         placed = max(new_index + self._spec + 1 - max(len(table), new_index), 0)
