@@ -100,6 +100,13 @@ class Layout:
         return self.hash_block_size if self.cache_hit_alignment < b else b
 
 
+def eagle_unit(block_size: int, hash_block_size: int, cache_hit_alignment: int) -> int:
+    """Tokens below its coverage at which an attention group's hit ends with EAGLE (the draft
+    recomputes them): one hash block when hits may land inside the group's blocks (alignment
+    below the effective block ``block_size``), else one whole block."""
+    return hash_block_size if cache_hit_alignment < block_size else block_size
+
+
 def _positive_int(name: str, value: object, upper: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} {value!r} must be a positive integer")
