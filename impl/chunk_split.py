@@ -17,12 +17,12 @@ def _checkpoint(num_tokens: int, unit: int, eagle_drop: bool, lookahead: int) ->
 class ChunkSplitter:
     """One layout's split rule; :meth:`end` is called for every prefill chunk."""
 
-    __slots__ = ("block", "hash_block", "max_prefill", "partial_tail", "eagle", "lookahead", "exact_junction",
+    __slots__ = ("mamba_block_size", "hash_block_size", "max_prefill", "partial_tail", "eagle", "lookahead", "exact_junction",
                  "scheduler_block", "replay_alignment", "_replay")
 
     def __init__(self, rule: SplitRule) -> None:
-        self.block = rule.mamba_block_size
-        self.hash_block = rule.hash_block_size
+        self.mamba_block_size = rule.mamba_block_size
+        self.hash_block_size = rule.hash_block_size
         self.max_prefill = rule.max_prefill_tokens
         self.partial_tail = rule.partial_tail
         self.eagle = rule.eagle_drop
@@ -38,7 +38,7 @@ class ChunkSplitter:
         prefill = num_prompt if num_prompt > num_tokens - 1 else num_tokens - 1
         if start >= prefill:
             return start + num_new
-        b = self.block
+        b = self.mamba_block_size
         end = start + num_new
         if end < prefill:
             aligned = end - end % b
@@ -55,7 +55,7 @@ class ChunkSplitter:
         if start < last < end:
             end = last
         if self.partial_tail:
-            tail = _checkpoint(num_prompt, self.hash_block, self.eagle, self.lookahead)
+            tail = _checkpoint(num_prompt, self.hash_block_size, self.eagle, self.lookahead)
             if last < tail < num_prompt and start < tail < end:
                 end = tail
         if self.replay_alignment:
@@ -74,7 +74,7 @@ class ChunkSplitter:
         ``state_below`` of each), remembered per prompt length."""
         stops = self._replay.get(num_prompt)
         if stops is None:
-            stops = tuple(state_below(p, self.replay_alignment, self.block)
+            stops = tuple(state_below(p, self.replay_alignment, self.mamba_block_size)
                           for p in replay_boundaries(num_prompt, self.scheduler_block, self.eagle))
             if len(self._replay) > 4096:
                 self._replay.clear()

@@ -11,6 +11,7 @@ from kvproof.impl.eviction import EvictionValuer
 from kvproof.impl.fixpoint import fixpoint
 from kvproof.impl.managers import MANAGER_FOR_KIND, SingleTypeManager, StepLedger
 from kvproof.impl.request import Request
+from kvproof.spec.arith import cdiv_unchecked
 from kvproof.spec.contracts import InvariantViolation, slow
 from kvproof.spec.layout import Layout
 from kvproof.spec.groups import GroupKind
@@ -92,7 +93,7 @@ class HybridCoordinator:
         # (attention narrows, Mamba lowers to a stored state, attention accepts it). A layout
         # with a group that keeps no reusable state (Mamba in mode 'none') never hits.
         self._lookup_order = tuple(sorted(self.managers, key=lambda m: not m.group.kind.is_attention))
-        self._first_block = self._lookup_order[0].block_size
+        self._first_block = self._lookup_order[0].effective_block_size
         self._first_eagle_unit = self._lookup_order[0].eagle_unit
         self._cacheable = all(m.group.prefix_cacheable for m in self.managers)
         #: The empty hit (no tokens, no blocks, no junctions).
@@ -141,11 +142,11 @@ class HybridCoordinator:
         if hit:
             for m, bl in zip(self._lookup_order, found):
                 blocks[m.group_id] = bl
-                if len(bl) != -(-hit // m.block_size):
+                if len(bl) != cdiv_unchecked(hit, m.effective_block_size):
                     raise InvariantViolation(
                         "INV-HIT-BLOCKS",
                         f"request {request.request_id!r}, group {m.group_id}: hit {hit} needs "
-                        f"{-(-hit // m.block_size)} blocks, finder returned {len(bl)}",
+                        f"{cdiv_unchecked(hit, m.effective_block_size)} blocks, finder returned {len(bl)}",
                     )
         return Hit(hit, tuple(blocks), self._junctions(hit, longest))
 

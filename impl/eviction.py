@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvproof.impl.block_pool import NULL_BLOCK, BlockPool
+from kvproof.spec.arith import cdiv_unchecked
 from kvproof.spec import eviction
 from kvproof.spec.eviction import DEFAULT_COMPUTE_MODEL, ComputeModel, block_value
 from kvproof.spec.groups import GroupKind
@@ -76,7 +77,7 @@ class EvictionValuer:
     def blocks_for(self, length: int) -> int:
         """Pool blocks a hit of ``length`` tokens holds: every attention group's blocks over it
         and one state per Mamba group."""
-        return sum(-(-length // b) for b in self._attention_blocks) + len(self._mamba_groups)
+        return sum(cdiv_unchecked(length, b) for b in self._attention_blocks) + len(self._mamba_groups)
 
     def state_value(self, request_id: str, position: int) -> float:
         """Value of the request's Mamba state at ``position``: that of the chain it completes."""

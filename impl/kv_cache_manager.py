@@ -47,6 +47,47 @@ class KVCacheManager:
     def step(self) -> int:
         return self._step
 
+    # --- what the scheduler and replay read (the facade is their only door) ---------------------
+
+    @property
+    def alignment(self) -> int:
+        """The cache-hit alignment A: every hit length is a multiple of it."""
+        return self.coordinator.alignment
+
+    @property
+    def hash_block_size(self) -> int:
+        """H: tokens per hash block (a key names a prefix of a multiple of H tokens)."""
+        return self.layout.hash_block_size
+
+    @property
+    def use_eagle(self) -> bool:
+        return self.coordinator.use_eagle
+
+    @property
+    def exact_junction(self) -> bool:
+        """Whether junction states are kept at the exact junction (``shared_prefix_checkpoint``
+        in effect) rather than block-floored."""
+        return self.coordinator.exact_junction
+
+    @property
+    def num_blocks(self) -> int:
+        """Pool size, the null block included."""
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free uncached plus evictable cached)."""
+        return self.pool.num_free
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached blocks evicted so far."""
+        return self.pool.num_evictions
+
+    def occupancy(self) -> tuple[int, ...]:
+        """Blocks each group occupies now (held, or cached and not evicted)."""
+        return self.pool.occupancy()
+
     # --- queries --------------------------------------------------------------------------------
 
     def lookup(self, request: Request, bound: Optional[int] = None) -> Hit:
@@ -195,7 +236,7 @@ class KVCacheManager:
         for m in self._mamba_managers:
             m.check_real_blocks(request)
 
-    def _check(self) -> bool:
+    def check_state(self) -> bool:
         """Whole-state check (slow tier): pool conservation, every table entry is held, the
         attention blocks' keys stay on their hash grid (INV-KEYS-PER-BLOCK), and every Mamba row
         holds no more real blocks than its state needs (INV-MAMBA-REAL-BLOCKS)."""

@@ -20,6 +20,7 @@ import dataclasses
 import operator
 from typing import Optional
 
+from kvproof.impl.hashing import key_at
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
 from kvproof.impl.chunk_split import ChunkSplitter
@@ -95,7 +96,7 @@ class Scheduler:
         # this step's chunks (request, start, end), and the hashes of the prefixes they will key
         # (hittable after the step), worked out only once a waiting request asks
         self._chunks_this_step: list[tuple[Request, int, int]] = []
-        self._keyed_this_step: Optional[set[bytes]] = None
+        self._keyed_this_step: Optional[set[tuple[bytes, int]]] = None
         self._splitter = _splitter_for(kv, max_num_batched_tokens, long_prefill_token_threshold)
 
     def add_request(self, request: Request) -> None:
@@ -201,7 +202,7 @@ class Scheduler:
                     raise CapacityError(
                         req.request_id,
                         f"request {req.request_id!r} cannot get blocks for {end} tokens even with the pool to itself "
-                        f"({self.kv.pool.num_blocks - 1} blocks, {self.kv.pool.num_free} free); raise --num-blocks",
+                        f"({self.kv.num_blocks - 1} blocks, {self.kv.num_free_blocks} free); raise --num-blocks",
                     )
                 return None
 
@@ -220,13 +221,13 @@ class Scheduler:
         raise CapacityError(
             req.request_id,
             f"request {req.request_id!r} cannot get blocks for {end} tokens even with the pool to itself "
-            f"({self.kv.pool.num_blocks - 1} blocks); raise --num-blocks",
+            f"({self.kv.num_blocks - 1} blocks); raise --num-blocks",
         )
 
     def _note_chunk(self, req: Request, start: int, end: int) -> None:
         """Record that ``req`` computes ``[start, end)`` in this step, if it reaches a new length
         on the hit grid (only those can be keyed; most decode steps do not)."""
-        a = self.kv.coordinator.alignment
+        a = self.kv.alignment
         if end // a == start // a:
             return
         self._chunks_this_step.append((req, start, end))
@@ -234,8 +235,9 @@ class Scheduler:
             self._add_keyed(req, start, end)
 
     def _add_keyed(self, req: Request, start: int, end: int) -> None:
-        h = self.kv.layout.hash_block_size
-        self._keyed_this_step.update(req.block_hashes[n // h - 1] for n in self.kv.keyed_lengths(req, start, end))
+        h = self.kv.hash_block_size
+        # Group 0's key names the prefix: a set of them tells which prefixes this step keys.
+        self._keyed_this_step.update(key_at(req.block_hashes, n, h, 0) for n in self.kv.keyed_lengths(req, start, end))
 
     def _producer_in_flight(self, req: Request, hit: int) -> bool:
         """Whether this step keys a prefix ``req`` shares beyond ``hit`` (and short of its last
@@ -248,9 +250,9 @@ class Scheduler:
         keyed = self._keyed_this_step
         if not keyed:
             return False
-        hashes, h, a = req.block_hashes, self.kv.layout.hash_block_size, self.kv.coordinator.alignment
+        hashes, h, a = req.block_hashes, self.kv.hash_block_size, self.kv.alignment
         top = min(req.num_tokens - 1, len(hashes) * h) // a * a
-        return any(hashes[n // h - 1] in keyed for n in range(top, hit, -a))
+        return any(key_at(hashes, n, h, 0) in keyed for n in range(top, hit, -a))
 
     def _preempt(self, request: Request, preempted: list[Request]) -> None:
         self.kv.free(request)
@@ -307,8 +309,8 @@ def _splitter_for(kv: KVCacheManager, budget: int, threshold: int) -> ChunkSplit
         hash_block_size=layout.hash_block_size,
         max_prefill_tokens=min(budget, threshold) if threshold else budget,
         partial_tail=partial_tail,
-        eagle_drop=kv.coordinator.use_eagle,
-        shared_prefix_checkpoint=partial_tail and kv.coordinator.exact_junction,
+        eagle_drop=kv.use_eagle,
+        shared_prefix_checkpoint=partial_tail and kv.exact_junction,
         scheduler_block_size=layout.scheduler_block_size if sparse else 0,
         replay_alignment=layout.cache_hit_alignment if sparse else 0,
     )

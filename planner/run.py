@@ -112,7 +112,7 @@ def run_config(
                 (m for m in sched.kv.managers if m.group.kind.is_attention and m.group.prefix_cacheable),
                 key=lambda m: not m.group.kind.supports_fine_grained_lookup,
             ))
-        align = sched.kv.coordinator.alignment
+        align = sched.kv.alignment
         for c in plan.chunks:
             req = c.request
             if c.overwrite and req.request_id not in counted and req.num_preemptions == 0:

@@ -165,7 +165,7 @@ def replay(
                     )
                 plan = sched.schedule()
                 result.steps_run += 1
-                for g, blocks in enumerate(kv.pool.occupancy()):
+                for g, blocks in enumerate(kv.occupancy()):
                     if blocks > peak[g]:
                         peak[g] = blocks
                 if not plan.chunks:
@@ -191,7 +191,7 @@ def replay(
                     record(index, req)
                 sched.finished.clear()  # drop finished requests' tokens and hashes
                 if slow:
-                    kv._check()
+                    kv.check_state()
                 if watcher is not None and watcher.violations:
                     break
     except InvariantViolation as e:
@@ -203,7 +203,7 @@ def replay(
     result.requests = [outcomes[i] for i in sorted(outcomes)]
     result.steps = sched.step
     result.cow_copies = kv.num_copies
-    result.evictions = kv.pool.num_evictions
+    result.evictions = kv.num_evictions
     result.preemptions = sched.num_preemptions
     result.peak_blocks_per_group = tuple(peak)
     return result

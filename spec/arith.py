@@ -16,6 +16,13 @@ import icontract
 )
 def cdiv(a: int, b: int) -> int:
     """Ceiling division ``ceil(a / b)`` for ``a >= 0, b > 0``."""
+    return cdiv_unchecked(a, b)
+
+
+def cdiv_unchecked(a: int, b: int) -> int:
+    """The ceiling division itself, without :func:`cdiv`'s contracts (they cost ~7 us a call,
+    the division ~0.1 us): for the scheduler's hot path, whose callers pass token counts >= 0
+    and block sizes > 0. Tested through :func:`cdiv`."""
     return -(-a // b)
 
 

@@ -96,8 +96,14 @@ class Layout:
         must therefore cover beyond the hit: one hash block when hits may end inside the group's
         blocks (the cache-hit alignment is finer than its effective block), else one whole
         effective block (docs/coordinator.md, "The joint hit")."""
-        b = group.effective_block_size
-        return self.hash_block_size if self.cache_hit_alignment < b else b
+        return eagle_unit(group.effective_block_size, self.hash_block_size, self.cache_hit_alignment)
+
+
+def eagle_unit(block_size: int, hash_block_size: int, cache_hit_alignment: int) -> int:
+    """Tokens below its coverage at which an attention group's hit ends with EAGLE (the draft
+    recomputes them): one hash block when hits may land inside the group's blocks (alignment
+    below the effective block ``block_size``), else one whole block."""
+    return hash_block_size if cache_hit_alignment < block_size else block_size
 
 
 def _positive_int(name: str, value: object, upper: int | None = None) -> None:

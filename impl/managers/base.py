@@ -10,6 +10,7 @@ from kvproof.impl.block_pool import NULL_BLOCK, BlockPool
 from kvproof.impl.eviction import EvictionValuer
 from kvproof.impl.hashing import key_at
 from kvproof.impl.request import Request
+from kvproof.spec.arith import cdiv_unchecked
 from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.layout import GroupLayout
 
@@ -120,7 +121,7 @@ class SingleTypeManager:
     ) -> None:
         self.group_id = group_id
         self.group = layout.group
-        self.block_size = layout.effective_block_size  # B_g, global tokens per block id
+        self.effective_block_size = layout.effective_block_size  # B_g, global tokens per block id
         self.max_blocks = layout.max_num_blocks_per_req
         self.hash_block_size = hash_block_size
         self.alignment = alignment
@@ -175,12 +176,12 @@ class SingleTypeManager:
             )
 
     def row_length(self, total_tokens: int) -> int:
-        return -(-total_tokens // self.block_size)
+        return cdiv_unchecked(total_tokens, self.effective_block_size)
 
     @property
     def max_tokens(self) -> int:
         """The most tokens a request may hold before its row exceeds the worker's width."""
-        return (self.max_blocks - self.group.num_speculative_blocks) * self.block_size
+        return (self.max_blocks - self.group.num_speculative_blocks) * self.effective_block_size
 
     def _evictable(self, blocks: list[int]) -> int:
         ref = self.pool.ref_count
@@ -221,7 +222,7 @@ class SingleTypeManager:
     def _release_values(self, request: Request, table: list[int], blocks: list[int]) -> list[float]:
         """The compute policy's values of ``blocks`` (``table``'s real blocks, tail first) as the
         request releases them: an attention chain's (``EvictionValuer.attention_values``). No state change."""
-        return self.valuer.attention_values(request.request_id, request.num_computed_tokens, table, self.block_size)
+        return self.valuer.attention_values(request.request_id, request.num_computed_tokens, table, self.effective_block_size)
 
     def _grow(self, table: list[int], total_tokens: int) -> list[int]:
         """Mutates. Append fresh blocks until ``table`` covers ``total_tokens``; returns them."""
@@ -236,7 +237,7 @@ class SingleTypeManager:
         """Mutates. Give blocks ``first .. last-1`` of ``table`` their full-block keys (the fine
         hash at each block's end); null entries are skipped. ``keep_prefixes``: the blocks'
         partial keys stay as prefix keys (append-only KV)."""
-        b, h, gid = self.block_size, self.hash_block_size, self.group_id
+        b, h, gid = self.effective_block_size, self.hash_block_size, self.group_id
         hashes, cache_full, keyed = request.block_hashes, self.pool.cache_full, self.ledger.keyed
         for j in range(first, last):
             blk = table[j]

@@ -6,7 +6,9 @@ from __future__ import annotations
 from kvproof.impl.hashing import key_at
 from kvproof.impl.managers.base import GroupRequest, SingleTypeManager
 from kvproof.impl.request import Request
+from kvproof.spec.arith import cdiv_unchecked
 from kvproof.spec.contracts import InvariantViolation
+from kvproof.spec.layout import eagle_unit
 
 
 class AttentionRequest(GroupRequest):
@@ -38,19 +40,19 @@ class FullAttentionManager(SingleTypeManager):
 
     def __init__(self, *args, attention_keys: str = "every-hash", **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        b, h, a = self.block_size, self.hash_block_size, self.alignment
+        b, h, a = self.effective_block_size, self.hash_block_size, self.alignment
         #: Probe partial entries only if hits may land inside a block.
         self._probe_partial = a < b
         #: Key every hash boundary written (else only chunk ends); moot without partial hits.
         self._every_hash = self._probe_partial and attention_keys == "every-hash"
         #: EAGLE: the draft recomputes one hash unit (one block when hits are block-aligned).
-        self.eagle_unit = (h if self._probe_partial else b) if self.use_eagle else 0
+        self.eagle_unit = eagle_unit(b, h, a) if self.use_eagle else 0
         self.requests: dict[str, AttentionRequest] = {}
 
     # --- lookup ---------------------------------------------------------------------------------
 
     def find_hit(self, request: Request, bound: int) -> tuple[int, list[int]]:
-        b, h, a = self.block_size, self.hash_block_size, self.alignment
+        b, h, a = self.effective_block_size, self.hash_block_size, self.alignment
         hashes, group = request.block_hashes, self.group_id
         hashed = len(hashes) * h
         target = min(bound + self.eagle_unit, hashed)
@@ -79,7 +81,7 @@ class FullAttentionManager(SingleTypeManager):
         hit = covered - self.eagle_unit if covered >= self.eagle_unit else 0
         hit = min(hit, bound)
         hit -= hit % a
-        return hit, blocks[: -(-hit // b)]
+        return hit, blocks[: cdiv_unchecked(hit, b)]
 
     def keyed_lengths(self, request: Request, start: int, end: int):
         """Every length on the hit grid with every-hash keys (and with hits on whole blocks);
@@ -88,7 +90,7 @@ class FullAttentionManager(SingleTypeManager):
         grid = super().keyed_lengths(request, start, end)
         if self._every_hash or not self._probe_partial:
             return grid
-        b, h = self.block_size, self.hash_block_size
+        b, h = self.effective_block_size, self.hash_block_size
         last = min(end, request.hashed_len)
         last -= last % h
         return [n for n in grid if n % b == 0 or n == last]
@@ -96,7 +98,7 @@ class FullAttentionManager(SingleTypeManager):
     # --- allocation -----------------------------------------------------------------------------
 
     def blocks_needed(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> int:
-        cow = 1 if hit_len % self.block_size else 0
+        cow = 1 if hit_len % self.effective_block_size else 0
         return max(self.row_length(total_tokens) - len(hit_blocks), 0) + cow + self._evictable(hit_blocks)
 
     def allocate(
@@ -104,7 +106,7 @@ class FullAttentionManager(SingleTypeManager):
     ) -> list[int]:
         rid = request.request_id
         table = list(hit_blocks)  # the coordinator has touched them
-        if hit_len % self.block_size:
+        if hit_len % self.effective_block_size:
             # Copy-on-write: the source's owner keeps appending to it; we take a copy of its
             # first ``hit_len % B`` positions (on every rank's shard) and append to that.
             src = table[-1]
@@ -113,7 +115,7 @@ class FullAttentionManager(SingleTypeManager):
             table[-1] = dst
         # Every-hash keying starts after the hit: the boundaries below it already have keys (on
         # the hit's blocks), and the copy-on-write block's would only duplicate them.
-        self.requests[rid] = AttentionRequest(table, hit_len // self.block_size, hit_len if self._every_hash else 0)
+        self.requests[rid] = AttentionRequest(table, hit_len // self.effective_block_size, hit_len if self._every_hash else 0)
         self._grow(table, total_tokens)
         return list(table)
 
@@ -122,7 +124,7 @@ class FullAttentionManager(SingleTypeManager):
     def cache(self, request: Request, num_computed: int) -> None:
         state = self.requests[request.request_id]
         table = state.row
-        b, h = self.block_size, self.hash_block_size
+        b, h = self.effective_block_size, self.hash_block_size
         hashes = request.block_hashes
         limit = min(num_computed, len(hashes) * h)
         if limit < self._next_key(state):
@@ -146,7 +148,7 @@ class FullAttentionManager(SingleTypeManager):
         """The least hashed length at which ``cache`` has something new to key for this
         request: the end of the first block without its full key or, with partial hits, the
         hash boundary after the last one keyed. No state change."""
-        nxt = (state.full_keyed + 1) * self.block_size
+        nxt = (state.full_keyed + 1) * self.effective_block_size
         if self._probe_partial:
             nxt = min(nxt, state.partial_keyed + self.hash_block_size)  # a hash boundary (or 0)
         return nxt
@@ -154,14 +156,14 @@ class FullAttentionManager(SingleTypeManager):
     def idle_until(self, request: Request, num_computed: int) -> int:
         """Until the row is full or there is something to key, whichever comes first."""
         state = self.requests[request.request_id]
-        return min(len(state.row) * self.block_size, self._next_key(state) - 1)
+        return min(len(state.row) * self.effective_block_size, self._next_key(state) - 1)
 
     def _key_every_hash(self, table: list[int], hashes, done: int, boundary: int) -> None:
         """Mutates. Key every hash boundary in ``(done, boundary]`` on the block holding it, one
         pool call per block (``grow_keys``): the longest becomes the block's primary (the
         full-block key at a block end), the shorter ones and the block's earlier keys prefix
         keys."""
-        b, h, gid = self.block_size, self.hash_block_size, self.group_id
+        b, h, gid = self.effective_block_size, self.hash_block_size, self.group_id
         grow, covered, keyed = self.pool.grow_keys, self.pool.num_tokens_of, self.ledger.keyed
         n = done + h
         while n <= boundary:
@@ -176,7 +178,7 @@ class FullAttentionManager(SingleTypeManager):
                     f"group {gid}: boundary {n} on block {blk} (row index {j}), which already covers "
                     f"{covered(blk)} tokens under another key",
                 )
-            grow(blk, [((hashes[m // h - 1], gid), m) for m in range(n, last + 1, h)])  # key_at's keys
+            grow(blk, [(key_at(hashes, m, h, gid), m) for m in range(n, last + 1, h)])
             keyed.add(blk)
             n = last + h
 
@@ -185,7 +187,7 @@ class FullAttentionManager(SingleTypeManager):
         j names a multiple of H in ``(j*B, (j+1)*B]``. The pool keeps a block's key lengths
         distinct (each key must cover more than the block did), so a block carries at most
         ``B / H`` keys (``block_size * dcp / H`` for a sharded group). No state change."""
-        b, h, keys_of = self.block_size, self.hash_block_size, self.pool.keys_of
+        b, h, keys_of = self.effective_block_size, self.hash_block_size, self.pool.keys_of
         for rid, state in self.requests.items():
             for j, blk in enumerate(state.row):
                 lengths = [n for _, n in keys_of(blk)]

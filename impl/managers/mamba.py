@@ -10,6 +10,7 @@ from kvproof.impl.block_pool import NULL_BLOCK
 from kvproof.impl.hashing import key_at
 from kvproof.impl.managers.base import GroupRequest, SingleTypeManager
 from kvproof.impl.request import Request
+from kvproof.spec.arith import cdiv_unchecked
 from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.retention import RetentionRule, keeps_state
 
@@ -63,9 +64,9 @@ class MambaManager(SingleTypeManager):
         super().__init__(*args, **kwargs)
         #: Mode 'none': one state block for the whole request, never keyed.
         self._one_state = not self.group.prefix_cacheable
-        self._spec = self.group.num_speculative_blocks
+        self._num_speculative = self.group.num_speculative_blocks
         self.retention = RetentionRule(
-            retention_interval, self.block_size, self.hash_block_size, self.alignment,
+            retention_interval, self.effective_block_size, self.hash_block_size, self.alignment,
             scheduler_block_size, eagle=self.use_eagle,
         )
         self.exact_junction = exact_junction
@@ -73,7 +74,7 @@ class MambaManager(SingleTypeManager):
         self.requests: dict[str, MambaRequest] = {}
 
     def row_length(self, total_tokens: int) -> int:
-        return self._state_index_after(total_tokens) + 1 + self._spec
+        return self._state_index_after(total_tokens) + 1 + self._num_speculative
 
     @property
     def max_tokens(self) -> int:
@@ -108,10 +109,10 @@ class MambaManager(SingleTypeManager):
         last token; -1 before the first): in mode 'none' always the first."""
         if self._one_state:
             return 0 if num_tokens else -1
-        return -(-num_tokens // self.block_size) - 1
+        return cdiv_unchecked(num_tokens, self.effective_block_size) - 1
 
     def _fresh_needed(self, table: list[int], index: int, new_index: int) -> int:
-        placed = max(new_index + self._spec + 1 - max(len(table), new_index), 0)
+        placed = max(new_index + self._num_speculative + 1 - max(len(table), new_index), 0)
         return max(placed - len(self._relocatable(table, index, new_index)), 0)
 
     @staticmethod
@@ -121,7 +122,7 @@ class MambaManager(SingleTypeManager):
 
     def blocks_needed(self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int]) -> int:
         new_index = self._state_index_after(total_tokens)
-        cow = 1 if hit_len % self.block_size else 0
+        cow = 1 if hit_len % self.effective_block_size else 0
         return cow + self._fresh_needed(hit_blocks, len(hit_blocks) - 1, new_index) + self._evictable(hit_blocks)
 
     def grow_needed(self, request: Request, total_tokens: int) -> int:
@@ -138,7 +139,7 @@ class MambaManager(SingleTypeManager):
         rid = request.request_id
         table = list(hit_blocks)
         index = len(table) - 1
-        if hit_len % self.block_size:  # the coordinator has touched the hit block
+        if hit_len % self.effective_block_size:  # the coordinator has touched the hit block
             # The next chunk may write this block index in place: work on a copy.
             src = table[index]
             [dst] = self._fresh(1)
@@ -175,7 +176,7 @@ class MambaManager(SingleTypeManager):
         for i in self._relocatable(table, index, new_index):
             moved.append(table[i])
             table[i] = NULL_BLOCK
-        placed = new_index + self._spec + 1 - first_real
+        placed = new_index + self._num_speculative + 1 - first_real
         table.extend([NULL_BLOCK] * (first_real - length))
         table.extend(moved + self._fresh(placed - len(moved)))  # placed >= len(moved): see _relocatable
         state.state_index = new_index
@@ -207,7 +208,7 @@ class MambaManager(SingleTypeManager):
             if self.valuer is not None and pool.key_of(old) is not None:
                 state.released.append((old, pool.key_of(old)))
             table[below] = NULL_BLOCK
-        n, b, h = num_computed, self.block_size, self.hash_block_size
+        n, b, h = num_computed, self.effective_block_size, self.hash_block_size
         expected_index = self._state_index_after(n)
         if expected_index != index:
             raise InvariantViolation(
@@ -241,7 +242,7 @@ class MambaManager(SingleTypeManager):
             return num_computed
         if self._one_state:
             return sys.maxsize  # the state never leaves its block and is never keyed
-        until = (index + 1) * self.block_size
+        until = (index + 1) * self.effective_block_size
         if self.group.prefix_cacheable:
             h = self.hash_block_size
             until = min(until, num_computed - num_computed % h + h - 1)
@@ -264,7 +265,7 @@ class MambaManager(SingleTypeManager):
         only ever on a hash boundary (``idle_until`` relies on it)."""
         if n % self.hash_block_size or n > request.hashed_len or self._one_state:
             return False
-        if n % self.block_size and n > request.num_prompt_tokens:
+        if n % self.effective_block_size and n > request.num_prompt_tokens:
             return False  # past the prompt a state mid-block is the running one: not a checkpoint
         return keeps_state(n, self.retention, num_prompt_tokens=request.num_prompt_tokens,
                            junctions=junctions, exact_junction=self.exact_junction)

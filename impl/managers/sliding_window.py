@@ -31,10 +31,10 @@ class SlidingWindowManager(SingleTypeManager):
         self.requests: dict[str, WindowRequest] = {}
 
     def _first_needed(self, n: int) -> int:
-        return max(0, n - (self.window - 1)) // self.block_size
+        return max(0, n - (self.window - 1)) // self.effective_block_size
 
     def find_hit(self, request: Request, bound: int) -> tuple[int, list[int]]:
-        a, b, h = self.alignment, self.block_size, self.hash_block_size
+        a, b, h = self.alignment, self.effective_block_size, self.hash_block_size
         hashes, group, lookup = request.block_hashes, self.group_id, self.pool.lookup
         n = min(bound, len(hashes) * h)
         n -= n % a
@@ -59,14 +59,14 @@ class SlidingWindowManager(SingleTypeManager):
         self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int], junctions: tuple[int, ...],
     ) -> list[int]:
         table = list(hit_blocks)  # the coordinator has touched them
-        self.requests[request.request_id] = WindowRequest(table, hit_len // self.block_size)
+        self.requests[request.request_id] = WindowRequest(table, hit_len // self.effective_block_size)
         self._grow(table, total_tokens)
         return list(table)
 
     def cache(self, request: Request, num_computed: int) -> None:
         state = self.requests[request.request_id]
         table = state.row
-        full = min(num_computed, request.hashed_len) // self.block_size
+        full = min(num_computed, request.hashed_len) // self.effective_block_size
         self._key_full_blocks(request, table, state.full_keyed, full)
         state.full_keyed = max(full, state.full_keyed)
         # Blocks wholly before the next token's window are no longer read.
@@ -80,6 +80,6 @@ class SlidingWindowManager(SingleTypeManager):
     def idle_until(self, request: Request, num_computed: int) -> int:
         """Until the row is full, a block is complete (to key), or the window passes the
         end of the next block to release."""
-        state, b = self.requests[request.request_id], self.block_size
+        state, b = self.requests[request.request_id], self.effective_block_size
         slide = (self._first_needed(num_computed) + 1) * b + self.window - 1
         return min(len(state.row) * b, (state.full_keyed + 1) * b - 1, slide - 1)

@@ -48,7 +48,7 @@ from kvproof.spec.layout import Layout
 HASH_ALGO = "sha256"
 
 
-# --- small views the kvproof Scheduler reads ---------------------------------------------------
+# --- small views over vLLM's pool and coordinator (the adapter's queries read them) -------------
 
 class _PoolView:
     """``pool.num_blocks`` / ``pool.num_free`` over vLLM's BlockPool (block 0 is its null block,
@@ -69,7 +69,7 @@ class _PoolView:
 
 
 class _CoordinatorView:
-    """The coordinator attributes the Scheduler reads (``use_eagle``, ``exact_junction``), plus
+    """What the adapter's queries read (``use_eagle``, ``exact_junction``, ``alignment``), plus
     vLLM's own coordinator for inspection. vLLM's coordinator has neither attribute of its own."""
 
     __slots__ = ("use_eagle", "exact_junction", "vllm", "alignment", "partial_hash_hits")
@@ -169,6 +169,32 @@ class VllmManagerAdapter:
     @property
     def step(self) -> int:
         return self._step
+
+    # --- the queries kvproof's Scheduler reads (as KVCacheManager answers them) -----------------
+
+    @property
+    def alignment(self) -> int:
+        return self.coordinator.alignment
+
+    @property
+    def hash_block_size(self) -> int:
+        return self.layout.hash_block_size
+
+    @property
+    def use_eagle(self) -> bool:
+        return self.coordinator.use_eagle
+
+    @property
+    def exact_junction(self) -> bool:
+        return self.coordinator.exact_junction
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
 
     # --- request mirroring -----------------------------------------------------------------
 

@@ -57,8 +57,8 @@ def test_slow_tier_checks_every_step(capsys, k3_trace, monkeypatch):
     from kvproof.impl.kv_cache_manager import KVCacheManager
 
     calls = []
-    real = KVCacheManager._check
-    monkeypatch.setattr(KVCacheManager, "_check", lambda self: calls.append(1) or real(self))
+    real = KVCacheManager.check_state
+    monkeypatch.setattr(KVCacheManager, "check_state", lambda self: calls.append(1) or real(self))
     code, data, _ = replay_json(capsys, k3_trace, *K3, "--dcp", "2", "--slow")
     assert code == 0 and data["violations"] == []
     assert len(calls) == data["totals"]["steps_run"]

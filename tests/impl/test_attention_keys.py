@@ -52,7 +52,7 @@ def test_a_consumer_diverging_inside_a_block_reuses_its_last_common_hash_unit(ke
     run(kv, producer, [10])
     consumer = Request("c", list(range(100, 107)) + [999, 998, 997], 2)
     assert run(kv, consumer, [10 - want]) == want
-    assert kv._check()
+    assert kv.check_state()
 
 
 def test_keys_stop_at_what_was_computed_and_nothing_below_the_hit_is_rekeyed():
@@ -66,7 +66,7 @@ def test_keys_stop_at_what_was_computed_and_nothing_below_the_hit_is_rekeyed():
     run(kv, consumer, [3])  # hit 6 inside block 0: a copy-on-write block, appended from 6
     copy = kv.coordinator.managers[0].row("c")[0]
     assert copy != table[0] and [n for _, n in pool.keys_of(copy)] == [8]  # 6 is the source's key
-    assert kv._check()
+    assert kv.check_state()
 
 
 def test_inv_keys_every_hash_fires_when_the_bookkeeping_loses_the_hit():
@@ -90,11 +90,11 @@ def test_inv_keys_per_block_fires_on_a_key_off_the_block_grid():
     req = Request("p", list(range(100, 120)), 2)
     run(kv, req, [20])
     table = kv.coordinator.managers[0].row("p")
-    assert kv._check()
+    assert kv.check_state()
     # A key naming 12 tokens on the first block (which spans [0, 8)): more than it holds.
     kv.pool.cache_partial(table[0], ("bogus", 0), 12, keep_prefixes=True)
     with pytest.raises(InvariantViolation, match="INV-KEYS-PER-BLOCK"):
-        kv._check()
+        kv.check_state()
 
 
 def test_bad_attention_keys_value_is_refused():

@@ -265,7 +265,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @invariant()
     def whole_state_consistent(self):
         if hasattr(self, "kv"):
-            assert self.kv._check()
+            assert self.kv.check_state()
 
     @invariant()
     def every_hash_boundary_written_has_a_key(self):

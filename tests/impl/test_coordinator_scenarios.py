@@ -302,7 +302,7 @@ def test_table_held_contract_fires_when_a_table_block_is_freed_behind_the_manage
     run_chunks(kv, r, [8])
     kv.pool.free([kv.block_table(r)[0][0]])
     with pytest.raises(InvariantViolation, match="INV-TABLE-HELD"):
-        kv._check()
+        kv.check_state()
 
 
 def test_alloc_atomic_contract_fires_when_sizing_undercounts(monkeypatch):

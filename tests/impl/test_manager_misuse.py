@@ -47,7 +47,7 @@ def test_a_second_allocation_in_one_step_is_refused_and_changes_nothing():
     assert state(kv, req) == before
     req.num_computed_tokens += 1
     kv.cache(req)  # the step goes on as if the refused call had not been made
-    assert kv._check()
+    assert kv.check_state()
 
 
 def test_the_whole_state_check_sees_a_row_grown_twice_in_one_step():
@@ -57,10 +57,10 @@ def test_the_whole_state_check_sees_a_row_grown_twice_in_one_step():
     kv = KVCacheManager(LAYOUT, 64)
     req = running_after_prefill(kv)
     assert kv.allocate_slots(req, 1) is not None
-    assert kv._check()  # one allocation: old state + new state, within the step's bound
+    assert kv.check_state()  # one allocation: old state + new state, within the step's bound
     assert kv.coordinator.allocate(req, 8 + 8, None) is not None
     with pytest.raises(InvariantViolation, match=r"INV-MAMBA-REAL-BLOCKS: request 'a', group 1: 3 real state blocks during its step > 2"):
-        kv._check()
+        kv.check_state()
 
 
 def test_the_whole_state_check_sees_a_stray_block_between_steps():
@@ -73,7 +73,7 @@ def test_the_whole_state_check_sees_a_stray_block_between_steps():
     row[0] = stray
     mamba.requests["a"].checked_below = -1  # as after a state move: the entries below are read again
     with pytest.raises(InvariantViolation, match=r"INV-MAMBA-REAL-BLOCKS: request 'a', group 1: 2 real state blocks between steps > 1"):
-        kv._check()
+        kv.check_state()
 
 
 @pytest.mark.parametrize("bad", [0, -3, True, 1.0, "2", None])
