@@ -36,7 +36,7 @@ class GroupView:
     """What the joint-hit rule needs to know about one group."""
 
     kind: str  # ATTENTION, MAMBA or WINDOW
-    block_size: int  # effective block size B_g
+    effective_block_size: int  # B_g
     has: Has
     eagle_unit: int = 0  # tokens the EAGLE draft must recompute (0: not an eagle group)
     window: int = 0  # sliding window, tokens
@@ -46,7 +46,7 @@ def usable(view: GroupView, n: int, hash_block_size: int, hashed_len: int) -> bo
     """Whether ``view``'s group can restore the first ``n`` tokens."""
     if n == 0:
         return True
-    b, has = view.block_size, view.has
+    b, has = view.effective_block_size, view.has
     if view.kind == MAMBA:
         return has(n)
     if view.kind == WINDOW:

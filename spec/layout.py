@@ -96,8 +96,7 @@ class Layout:
         must therefore cover beyond the hit: one hash block when hits may end inside the group's
         blocks (the cache-hit alignment is finer than its effective block), else one whole
         effective block (docs/coordinator.md, "The joint hit")."""
-        b = group.effective_block_size
-        return self.hash_block_size if self.cache_hit_alignment < b else b
+        return eagle_unit(group.effective_block_size, self.hash_block_size, self.cache_hit_alignment)
 
 
 def eagle_unit(block_size: int, hash_block_size: int, cache_hit_alignment: int) -> int:
