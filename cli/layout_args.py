@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from kvproof.cli.presets import DEFAULT_PRESET, PRESETS
+from kvproof.cli.presets import DEFAULT_PRESET, PRESETS, Preset
 from kvproof.cli.values import TOKEN_LIMIT, any_decimal, check_at_most, parse_decimal, speculative_count, token_count
 from kvproof.spec.eviction import LRU, POLICIES
 from kvproof.spec.groups import KIND_NAMES, MAMBA_MODE_NAMES, CacheGroup, GroupKind, parse_kind, parse_mamba_mode
@@ -107,14 +107,18 @@ def parse_retention(text: str) -> int | None:
                          "2**30 tokens, the longest context kvproof accepts")
 
 
-def layout_config_from_args(args: argparse.Namespace, allow_partial_hash_hits: bool = True) -> LayoutConfig:
-    """Build the layout: a preset's values, overridden by explicit flags. ValueError if bad."""
+def layout_config_from_args(
+    args: argparse.Namespace, allow_partial_hash_hits: bool = True, preset: Preset | None = None,
+) -> LayoutConfig:
+    """Build the layout: a preset's values (``preset``, e.g. one read from a model folder, or
+    ``--preset``), overridden by explicit flags. ValueError if bad."""
     if args.preset and args.group:
         raise ValueError(
             f"--group cannot be combined with --preset {args.preset}: a preset fixes its groups; drop --preset "
             "to give the groups yourself, or drop --group (--dcp and --max-model-len override a preset's)"
         )
-    preset = PRESETS[args.preset or DEFAULT_PRESET] if (args.preset or not args.group) else None
+    if preset is None and (args.preset or not args.group):
+        preset = PRESETS[args.preset or DEFAULT_PRESET]
     groups = tuple(parse_group(t) for t in args.group) if args.group else preset.groups
     dcp = args.dcp if args.dcp is not None else (preset.dcp if preset else 1)
     max_len = args.max_model_len if args.max_model_len is not None else (preset.max_model_len if preset else 8192)

@@ -9,7 +9,8 @@ import sys
 
 from kvproof.cli.errors import EXIT_OK, EXIT_PROPERTY_FAILED, fail_bad_input
 from kvproof.cli.layout_args import add_layout_arguments, layout_config_from_args
-from kvproof.cli.presets import PRESETS
+from kvproof.cli.presets import PRESETS, Preset
+from kvproof.planner.model_config import SHIPPED_MODELS
 from kvproof.cli.values import (
     any_decimal,
     block_count,
@@ -31,6 +32,7 @@ SWEEP_FACTORS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
 #: argparse types of plan's own counts (the others are cli/values.py's).
 sequence_count = decimal(1 << 30, "each running request takes at least one token of a step's budget")
 job_count = decimal(1024, "worker processes replaying at once")
+tp_size = decimal(1024, "GPUs one layer is split over")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -56,7 +58,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--eviction", default=LRU, metavar="POLICY[,POLICY...]",
                    help="eviction policies to compare side by side: lru (default, vLLM's), compute "
                    "(the least prefill compute lost per byte, aged by recency)")
-    m = p.add_argument_group("memory (default: 40 GiB per GPU, bytes from the preset)")
+    md = p.add_argument_group("model (instead of --preset / --group and the byte figures)")
+    md.add_argument("--model", metavar="DIR",
+                    help="a Hugging Face model folder with its config.json, as vllm serve takes (or a shipped one: "
+                    f"{', '.join(SHIPPED_MODELS)}): groups, block sizes and bytes per GPU as vLLM 0.33.0 would use")
+    md.add_argument("--tensor-parallel-size", type=tp_size, metavar="N",
+                    help="GPUs each layer is split over, as vllm serve's flag (default 1; needs --model)")
+    m = p.add_argument_group("memory (default: 40 GiB per GPU, bytes from the preset or the model)")
     m.add_argument("--kv-memory-gib", type=decimal_number, metavar="GIB", help=f"KV memory per GPU (default {DEFAULT_KV_MEMORY_GIB:g})")
     m.add_argument("--num-blocks", type=block_count, help="the pool in blocks (null block included) instead of KV memory")
     m.add_argument("--bytes-per-token", type=any_decimal, help="one token of one attention layer on one GPU")
@@ -175,6 +183,23 @@ def _memory(args: argparse.Namespace, from_preset: bool):
     )
 
 
+def _model(args: argparse.Namespace):
+    """The layout read from ``--model`` (None without it); it replaces every layout and byte flag."""
+    from kvproof.planner.model_config import model_layout
+
+    if args.model is None:
+        if args.tensor_parallel_size is not None:
+            raise ValueError("--tensor-parallel-size sizes a model's layers; it needs --model DIR")
+        return None
+    given = [flag for flag, value in (
+        ("--preset", args.preset), ("--group", args.group), ("--bytes-per-token", args.bytes_per_token),
+        ("--bytes-per-state", args.bytes_per_state), ("--layers", args.layers),
+    ) if value is not None]
+    if given:
+        raise ValueError(f"--model gives the layout and the bytes per GPU; drop {', '.join(given)}")
+    return model_layout(args.model, args.tensor_parallel_size if args.tensor_parallel_size is not None else 1)
+
+
 def build_request(args: argparse.Namespace):
     """Every flag checked and the workload read (validated) before any replay. ValueError if bad."""
     import dataclasses
@@ -184,19 +209,21 @@ def build_request(args: argparse.Namespace):
     from kvproof.planner.run import RunOptions
     from kvproof.spec.layout import resolve_layout
 
-    if args.preset is None and not args.group:
+    model = _model(args)
+    if args.preset is None and not args.group and model is None:
         args.preset = DEFAULT_PRESET
     dcps = _int_list(args.dcp, "DCP size", 1, 1024)
     policies = _policy_list(args.eviction)
     layout_args = argparse.Namespace(**{**vars(args), "dcp": dcps[0], "eviction": policies[0]})
-    base = layout_config_from_args(layout_args, allow_partial_hash_hits=not args.no_partial_hash_hits)
+    model_preset = None if model is None else Preset(args.model, model.architecture, model.groups, 1, model.max_model_len)
+    base = layout_config_from_args(layout_args, allow_partial_hash_hits=not args.no_partial_hash_hits, preset=model_preset)
     resolve_layout(base)
     for name in ("max_num_batched_tokens", "max_num_seqs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs} must be >= 1")
-    memory = _memory(args, from_preset=not args.group)
+    memory = model.memory if model is not None else _memory(args, from_preset=not args.group)
     if args.num_blocks is not None and args.kv_memory_gib is not None:
         raise ValueError("--num-blocks and --kv-memory-gib exclude each other; size the pool one way")
     if args.num_blocks is not None:
@@ -229,6 +256,7 @@ def build_request(args: argparse.Namespace):
     return PlanRequest(
         workload, dataclasses.replace(base, dcp=1), dcps, memory, kv_bytes, args.num_blocks, sweep, options,
         args.jobs or default_jobs(), engines=engines, policies=policies,
+        model=model,
     )
 
 

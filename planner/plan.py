@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 from kvproof.planner.diagnose import Diagnosis, diagnose, recommend
 from kvproof.planner.memory import ModelMemory, PoolPlan, gib, plan_pool
+from kvproof.planner.model_config import ModelLayout
 from kvproof.planner.reuse import reusable_fraction
 from kvproof.planner.run import ConfigReport, RunOptions, config_layout, run_config
 from kvproof.sim.workload import Workload
@@ -39,6 +40,8 @@ class PlanRequest:
     engines: tuple[str, ...] = ("kvproof",)
     #: kvproof's eviction policies, each planned at every DCP size and memory size.
     policies: tuple[str, ...] = ("lru",)
+    #: What ``--model`` read, when the layout came from a model folder.
+    model: Optional[ModelLayout] = None
 
 
 @dataclasses.dataclass

@@ -60,6 +60,7 @@ def plan_to_json(result: PlanResult) -> dict:
             "vllm_groups_per_group": list(result.vllm_groups),
             "eviction": list(req.policies),
         },
+        "model": None if req.model is None else req.model.to_json(),
         "engine": "kvproof",
         "oracle": req.options.oracle,
         "configs": [config_to_json(r) for r in result.reports],
@@ -84,7 +85,11 @@ def _mib(n: int) -> str:
 def plan_to_text(result: PlanResult) -> str:
     req = result.request
     base = result.layouts[req.dcps[0]]
-    lines = [
+    lines = []
+    if req.model is not None:
+        first, second = req.model.describe()
+        lines += [f"model: {first}", f"       {second}"]
+    lines += [
         f"workload: {req.workload.description}; {req.workload.prompt_tokens:,} prompt tokens",
         f"layout: {', '.join(g.group.label for g in base.groups)}; max-model-len {base.config.max_model_len:,}; "
         f"retention {'none' if base.config.retention_interval is None else base.config.retention_interval}; "
