@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from kvproof.cli.errors import EXIT_OK, EXIT_PROPERTY_FAILED, fail_bad_input
 from kvproof.cli.layout_args import add_layout_arguments, layout_config_from_args
 from kvproof.cli.presets import PRESETS, Preset
 from kvproof.planner.model_config import SHIPPED_MODELS
+from kvproof.planner.recommend import OBJECTIVES
 from kvproof.cli.values import (
     any_decimal,
     block_count,
@@ -33,6 +35,7 @@ SWEEP_FACTORS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
 sequence_count = decimal(1 << 30, "each running request takes at least one token of a step's budget")
 job_count = decimal(1024, "worker processes replaying at once")
 tp_size = decimal(1024, "GPUs one layer is split over")
+gpu_count = decimal(1 << 20, "GPUs of a deployment")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -72,6 +75,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--layers", metavar="N[,N...]", help="layers per cache group, in --group order")
     m.add_argument("--memory-sweep", nargs="?", const="auto", metavar="GIB[,GIB...]",
                    help="also plan these KV memory sizes per GPU (default: 1/32 .. 1/2 of --kv-memory-gib)")
+    rc = p.add_argument_group("recommendation")
+    rc.add_argument("--objective", default="hit-rate", metavar="|".join(OBJECTIVES),
+                    help="what to recommend for: the best hit rate (default), the most cached tokens per GiB of KV "
+                    "memory over the deployment's GPUs, or the least memory reaching a hit rate X (e.g. target-hit=20)")
+    rc.add_argument("--gpus", type=gpu_count, metavar="N",
+                    help="GPUs the deployment may use (vLLM's DCP reuses the TP ranks: a model on TP GPUs takes TP "
+                    "at every DCP size dividing TP)")
     r = p.add_argument_group("run")
     r.add_argument("--max-num-batched-tokens", type=token_count, default=8192, help="token budget per step (default 8192, as vLLM's server)")
     r.add_argument("--max-num-seqs", type=sequence_count, default=256, help="requests running at once (default 256)")
@@ -200,6 +210,15 @@ def _model(args: argparse.Namespace):
     return model_layout(args.model, args.tensor_parallel_size if args.tensor_parallel_size is not None else 1)
 
 
+def _tensor_parallel_size(args: argparse.Namespace, model) -> int | None:
+    """The GPUs the byte figures are per: the model's TP, a preset's, or unknown (bytes by hand)."""
+    if model is not None:
+        return model.tensor_parallel_size
+    hand = args.group or args.bytes_per_token is not None or args.bytes_per_state is not None or args.layers is not None
+    preset = PRESETS[args.preset].memory if args.preset and not hand else None
+    return None if preset is None else preset.tensor_parallel_size
+
+
 def build_request(args: argparse.Namespace):
     """Every flag checked and the workload read (validated) before any replay. ValueError if bad."""
     import dataclasses
@@ -209,9 +228,15 @@ def build_request(args: argparse.Namespace):
     from kvproof.planner.run import RunOptions
     from kvproof.spec.layout import resolve_layout
 
+    from kvproof.planner.recommend import Deployment, Objective
+
     model = _model(args)
     if args.preset is None and not args.group and model is None:
         args.preset = DEFAULT_PRESET
+    objective = Objective.parse(args.objective)
+    if args.gpus is not None and args.gpus < 1:
+        raise ValueError(f"--gpus {args.gpus} must be >= 1")
+    deployment = Deployment(_tensor_parallel_size(args, model), args.gpus)
     dcps = _int_list(args.dcp, "DCP size", 1, 1024)
     policies = _policy_list(args.eviction)
     layout_args = argparse.Namespace(**{**vars(args), "dcp": dcps[0], "eviction": policies[0]})
@@ -256,7 +281,8 @@ def build_request(args: argparse.Namespace):
     return PlanRequest(
         workload, dataclasses.replace(base, dcp=1), dcps, memory, kv_bytes, args.num_blocks, sweep, options,
         args.jobs or default_jobs(), engines=engines, policies=policies,
-        model=model,
+        model=model, objective=objective, deployment=deployment,
+        serve_model=args.model if model is not None and os.path.isdir(args.model) else None,
     )
 
 

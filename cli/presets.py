@@ -16,12 +16,15 @@ from kvproof.spec.groups import CacheGroup, GroupKind, MambaCacheMode
 class PresetMemory:
     """What one GPU stores, for ``kvproof plan``'s pool sizing (illustrative, like the
     geometry): layers per group, bytes of one attention token of one layer, bytes of one
-    Mamba / linear-attention state of one layer; ``note`` says where the numbers come from."""
+    Mamba / linear-attention state of one layer; ``note`` says where the numbers come from;
+    ``tensor_parallel_size`` the GPUs they are per."""
 
     layers: tuple[int, ...]
     bytes_per_token: int
     bytes_per_state: int
     note: str
+    #: The GPUs the bytes are per: each layer split over this many (DCP reuses them).
+    tensor_parallel_size: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,7 @@ PRESETS: dict[str, Preset] = {
                 "token in bf16 (1,152 bytes); a linear-attention state is 4 heads (32 over TP 8) of a "
                 "128 x 128 fp32 matrix plus a 9,216-byte convolution state. With vLLM's align rule "
                 "(MLA kernel alignment 128) the attention block stays 256.",
+                tensor_parallel_size=8,
             ),
         ),
         Preset(

@@ -1,13 +1,13 @@
-"""Recommendations and diagnoses: what the measured configurations mean, each with its reason
-in words. Every diagnosis is a rule over measured numbers or the geometry; the thresholds are
-named below so the docs can quote them."""
+"""Diagnoses: what the measured configurations mean, each with its reason in words (the
+recommendation is planner/recommend.py). Every diagnosis is a rule over measured numbers or
+the geometry; the thresholds are named below so the docs can quote them."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
 
-from kvproof.planner.memory import ModelMemory, gib, vllm_attention_block_size
+from kvproof.planner.memory import ModelMemory, vllm_attention_block_size
 from kvproof.planner.run import ConfigReport
 from kvproof.spec.groups import GroupKind
 from kvproof.spec.layout import Layout
@@ -24,8 +24,6 @@ TABLE_SHARE = 0.01
 #: relative.
 COARSE_GAP = 0.02
 COARSE_RELATIVE = 0.10
-#: A memory size "reaches" a DCP size's best hit rate within this many points.
-KNEE_POINTS = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,58 +37,6 @@ class Diagnosis:
 
 def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
-
-
-def _policy(r: ConfigReport, several: bool) -> str:
-    """' (eviction P)' when a plan compares policies, else nothing."""
-    return f" (eviction {r.eviction})" if several else ""
-
-
-def recommend(reports: list[ConfigReport], sweep: list[ConfigReport]) -> dict:
-    """The configuration with the best hit rate, the one with the most cached tokens per GiB of
-    KV memory across its DCP group, and (with a sweep) the smallest memory per GPU that comes
-    within KNEE_POINTS of each DCP size's best."""
-    clean = [r for r in reports if not r.violations]
-    if not clean:
-        return {"text": "no configuration ran cleanly; see the violations"}
-    best = max(clean, key=lambda r: (r.hit_rate, -r.dcp))
-    several = len({r.eviction for r in reports + sweep}) > 1
-    out = {
-        "best_hit_rate": {"dcp": best.dcp, "hit_rate": round(best.hit_rate, 6)},
-    }
-    if several:
-        out["best_hit_rate"]["eviction"] = best.eviction
-    text = [f"best hit rate: DCP {best.dcp}{_policy(best, several)} ({_pct(best.hit_rate)})"]
-    sized = [r for r in clean if r.num_blocks and r.block_bytes]
-    if sized:
-        def per_gib(r: ConfigReport) -> float:
-            return r.cached_tokens / gib(r.num_blocks * r.block_bytes * r.dcp)
-
-        thrifty = max(sized, key=lambda r: (per_gib(r), -r.dcp))
-        out["best_hits_per_gib"] = {"dcp": thrifty.dcp, "cached_tokens_per_gib": round(per_gib(thrifty), 1)}
-        text.append(
-            f"most cached tokens per GiB of KV memory over the DCP group's GPUs: DCP {thrifty.dcp} "
-            f"({per_gib(thrifty):,.0f} tokens per GiB)"
-        )
-    if sweep:
-        knees = []
-        for dcp, policy in sorted({(r.dcp, r.eviction) for r in sweep}, key=lambda k: (k[0], k[1] != "lru")):
-            points = sorted((r for r in sweep if (r.dcp, r.eviction) == (dcp, policy) and not r.violations),
-                            key=lambda r: r.kv_memory_bytes or 0)
-            if not points:
-                continue
-            top = max(p.hit_rate for p in points)
-            knee = next(p for p in points if p.hit_rate >= top - KNEE_POINTS)
-            knees.append({"dcp": dcp, "kv_memory_gib": round(gib(knee.kv_memory_bytes or 0), 3), "hit_rate": round(knee.hit_rate, 6)})
-            if several:
-                knees[-1]["eviction"] = policy
-            text.append(
-                f"DCP {dcp}{_policy(knee, several)}: {gib(knee.kv_memory_bytes or 0):.4g} GiB per GPU reaches {_pct(knee.hit_rate)}, within "
-                f"{100 * KNEE_POINTS:g} point of its best in the sweep"
-            )
-        out["memory_knee"] = knees
-    out["text"] = "; ".join(text)
-    return out
 
 
 def diagnose(

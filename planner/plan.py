@@ -12,9 +12,11 @@ import sys
 import time
 from typing import Callable, Optional
 
-from kvproof.planner.diagnose import Diagnosis, diagnose, recommend
+from kvproof.planner.diagnose import Diagnosis, diagnose
 from kvproof.planner.memory import ModelMemory, PoolPlan, gib, plan_pool
 from kvproof.planner.model_config import ModelLayout
+from kvproof.planner.recommend import Deployment, Objective, recommend
+from kvproof.planner.serve_command import serve_command
 from kvproof.planner.reuse import reusable_fraction
 from kvproof.planner.run import ConfigReport, RunOptions, config_layout, run_config
 from kvproof.sim.workload import Workload
@@ -42,6 +44,10 @@ class PlanRequest:
     policies: tuple[str, ...] = ("lru",)
     #: What ``--model`` read, when the layout came from a model folder.
     model: Optional[ModelLayout] = None
+    objective: Objective = Objective("hit-rate")
+    deployment: Deployment = Deployment(None)
+    #: What the recommended ``vllm serve`` command serves (a folder; None: a placeholder).
+    serve_model: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -173,9 +179,24 @@ def run_plan(req: PlanRequest, progress: Optional[Callable[[int, int], None]] = 
     prompt_lengths = [e.prompt_len for e in req.workload.entries]
     diagnoses = diagnose(layouts, reports, prompt_lengths, req.options.max_num_seqs, req.memory, reuse)
     return PlanResult(
-        req, layouts, reports, sweep, vllm_reports, recommend(reports, sweep), diagnoses, reuse, time.perf_counter() - started,
-        tasks[0].pool.vllm_groups,
+        req, layouts, reports, sweep, vllm_reports, _recommendation(req, reports, sweep), diagnoses, reuse,
+        time.perf_counter() - started, tasks[0].pool.vllm_groups,
     )
+
+
+def _recommendation(req: PlanRequest, reports: list[ConfigReport], sweep: list[ConfigReport]) -> dict:
+    """The recommendation, with the ``vllm serve`` command of its choice."""
+    out = recommend(reports, sweep, req.objective, req.deployment)
+    choice = out["choice"]
+    if choice is not None:
+        command = serve_command(
+            dataclasses.replace(req.base, eviction=choice["eviction"]), choice["dcp"], choice["gpus"],
+            choice["kv_memory_bytes"], req.options.max_num_batched_tokens, req.options.max_num_seqs,
+            model=req.serve_model, block_size_from_model=req.model is not None, eagle=req.options.use_eagle,
+        )
+        out["serve"] = command.text()
+        out["not_reproduced"] = list(command.not_reproduced)
+    return out
 
 
 def _fine_unit(layouts: dict[int, Layout]) -> int:

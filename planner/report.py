@@ -140,7 +140,12 @@ def plan_to_text(result: PlanResult) -> str:
     if result.reuse:
         lines += ["", "reuse the traffic allows with an unbounded cache: " + ", ".join(
             f"{100 * f:.1f} % in {u:,}-token steps" for u, f in sorted(result.reuse.items()))]
-    lines += ["", f"recommendation: {result.recommendation['text']}"]
+    rec = result.recommendation
+    lines += ["", f"recommendation: {rec['text']}"]
+    if "serve" in rec:
+        lines.append(f"  {rec['serve']}")
+        if rec["not_reproduced"]:
+            lines.append("  these numbers use kvproof's rules; stock vLLM has none of: " + "; ".join(rec["not_reproduced"]))
     if result.diagnoses:
         lines.append("diagnoses:")
         lines += [f"  [{d.id}] {d.message}" for d in result.diagnoses]

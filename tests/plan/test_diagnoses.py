@@ -96,8 +96,10 @@ def test_pool_and_tables_against_max_model_len(plan):
 def test_recommendation_names_the_measured_best(plan):
     data = plan(pairs(4, 100), *FA_M, "--dcp", "1,2,4")
     best = max(data["configs"], key=lambda c: (c["hit_rate"], -c["dcp"]))
-    assert data["recommendation"]["best_hit_rate"] == {"dcp": best["dcp"], "hit_rate": best["hit_rate"]}
-    assert data["recommendation"]["text"].startswith(f"best hit rate: DCP {best['dcp']}")
+    choice = data["recommendation"]["choice"]
+    assert (choice["dcp"], choice["hit_rate"]) == (best["dcp"], best["hit_rate"])
+    assert data["recommendation"]["text"].startswith(f"hit-rate: DCP {best['dcp']} on {best['dcp']} GPU")
+    assert f"--decode-context-parallel-size {best['dcp']}" in data["recommendation"]["serve"] or best["dcp"] == 1
 
 
 @pytest.mark.parametrize("dcp", ["1", "8"])

@@ -121,7 +121,8 @@ def test_builtin_workload_and_json_shape(plan_json):
         assert keys <= set(c)
         assert len(c["table_bytes_per_group"]) == 2 and c["largest_request"] == 262_144
     assert data["layout"]["groups"] == ["mla:256", "mamba:256"] and data["layout"]["vllm_groups_per_group"] == [1, 3]
-    assert data["recommendation"]["best_hit_rate"]["dcp"] in (1, 2, 4, 8)
+    assert data["recommendation"]["choice"]["dcp"] in (1, 2, 4, 8)
+    assert data["recommendation"]["choice"]["gpus"] == 8  # the kimi-k3 preset's bytes are per GPU of TP 8
     assert isinstance(data["diagnoses"], list)
 
 
@@ -129,7 +130,8 @@ def test_text_report(plan_cli):
     done = plan_cli("--limit", "20", "--dcp", "1,8", "--no-progress")
     assert done.returncode == 0 and done.stderr == ""
     out = done.stdout
-    assert "DCP  hit rate" in out and "recommendation: best hit rate" in out and "invariant violations: none" in out
+    assert "DCP  hit rate" in out and "recommendation: hit-rate: DCP " in out and "invariant violations: none" in out
+    assert "\n  vllm serve <model> --tensor-parallel-size 8 " in out
 
 
 def test_generated_workload_and_memory_sweep(capsys):
@@ -148,7 +150,8 @@ def test_generated_workload_and_memory_sweep(capsys):
     for pts in by_memory.values():
         pts.sort()
         assert [n for _, n in pts] == sorted(n for _, n in pts)  # more memory, more blocks
-    assert data["recommendation"]["memory_knee"]
+    choice = data["recommendation"]["choice"]
+    assert (choice["dcp"], choice["kv_memory_gib"]) in points
 
 
 def test_parallel_jobs_give_the_same_numbers(plan_json, mooncake_trace):
