@@ -48,7 +48,7 @@ def diagnose(
     reuse: Optional[dict[int, float]] = None,
 ) -> list[Diagnosis]:
     """Every diagnosis that applies. ``layouts`` maps each DCP size to its (user-level)
-    layout; ``reuse`` maps granularities to :func:`kvproof.planner.reuse.reusable_fraction`."""
+    layout; ``reuse`` maps granularities to the reuse fraction (:mod:`kvproof.planner.reuse`)."""
     out: list[Diagnosis] = []
     any_layout = next(iter(layouts.values()))
     max_len = any_layout.config.max_model_len

@@ -17,7 +17,7 @@ from kvproof.planner.memory import ModelMemory, PoolPlan, gib, plan_pool
 from kvproof.planner.model_config import ModelLayout
 from kvproof.planner.recommend import Deployment, Objective, recommend
 from kvproof.planner.serve_command import serve_command
-from kvproof.planner.reuse import reusable_fraction
+from kvproof.planner.reuse import workload_reuse
 from kvproof.planner.run import ConfigReport, RunOptions, config_layout, run_config
 from kvproof.sim.workload import Workload
 from kvproof.spec.layout import Layout, LayoutConfig, resolve_layout
@@ -82,6 +82,8 @@ class PlanResult:
     seconds: float
     #: Per layout group: how many vLLM groups (identical, each with its own blocks) it became.
     vllm_groups: tuple[int, ...] = ()
+    #: Prompt tokens the reuse probe examined (fewer than the workload's on a long token trace).
+    reuse_tokens: int = 0
 
     @property
     def violations(self) -> int:
@@ -172,15 +174,16 @@ def run_plan(req: PlanRequest, progress: Optional[Callable[[int, int], None]] = 
     if sweep:  # the main runs are sweep points too
         sweep = sorted(sweep + [r for r in reports if r.kv_memory_bytes is not None],
                        key=lambda r: (r.dcp, r.kv_memory_bytes or 0, req.policies.index(r.eviction)))
-    reuse = {}
+    reuse, reuse_tokens = {}, 0
     if req.reuse_probe:
         units = sorted({layouts[d].cache_hit_alignment for d in req.dcps} | {_fine_unit(layouts)})
-        reuse = reusable_fraction(req.workload.requests(), tuple(units))
+        probe = workload_reuse(req.workload, tuple(units))
+        reuse, reuse_tokens = probe.fractions, probe.examined_tokens
     prompt_lengths = [e.prompt_len for e in req.workload.entries]
     diagnoses = diagnose(layouts, reports, prompt_lengths, req.options.max_num_seqs, req.memory, reuse)
     return PlanResult(
         req, layouts, reports, sweep, vllm_reports, _recommendation(req, reports, sweep), diagnoses, reuse,
-        time.perf_counter() - started, tasks[0].pool.vllm_groups,
+        time.perf_counter() - started, tasks[0].pool.vllm_groups, reuse_tokens,
     )
 
 

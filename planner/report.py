@@ -67,6 +67,7 @@ def plan_to_json(result: PlanResult) -> dict:
         "vllm_configs": [config_to_json(r) for r in result.vllm_reports],
         "memory_sweep": [config_to_json(r) for r in result.sweep],
         "reuse_bound": {str(u): round(f, 6) for u, f in sorted(result.reuse.items())},
+        "reuse_bound_prompt_tokens": result.reuse_tokens,
         "recommendation": result.recommendation,
         "diagnoses": [d.to_json() for d in result.diagnoses],
         "seconds": round(result.seconds, 3),
@@ -138,7 +139,9 @@ def plan_to_text(result: PlanResult) -> str:
                 rows.append([f"{gib(s):.4g}"] + [f"{grid[(d, e, s)].prefill_tokens:,}" if (d, e, s) in grid else "-" for d, e in columns])
             lines += ["", "prefill tokens computed by KV memory per GPU:", _table(rows)]
     if result.reuse:
-        lines += ["", "reuse the traffic allows with an unbounded cache: " + ", ".join(
+        total = req.workload.prompt_tokens
+        part = f" (over its first {result.reuse_tokens:,} of {total:,} prompt tokens)" if result.reuse_tokens < total else ""
+        lines += ["", f"reuse the traffic allows with an unbounded cache{part}: " + ", ".join(
             f"{100 * f:.1f} % in {u:,}-token steps" for u, f in sorted(result.reuse.items()))]
     rec = result.recommendation
     lines += ["", f"recommendation: {rec['text']}"]
