@@ -283,6 +283,7 @@ def build_request(args: argparse.Namespace):
         args.jobs or default_jobs(), engines=engines, policies=policies,
         model=model, objective=objective, deployment=deployment,
         serve_model=args.model if model is not None and os.path.isdir(args.model) else None,
+        sweep_auto=args.memory_sweep == "auto",
     )
 
 

@@ -18,7 +18,7 @@ from kvproof.planner.model_config import ModelLayout
 from kvproof.planner.recommend import Deployment, Objective, recommend
 from kvproof.planner.serve_command import serve_command
 from kvproof.planner.reuse import workload_reuse
-from kvproof.planner.run import ConfigReport, RunOptions, config_layout, run_config
+from kvproof.planner.run import ConfigReport, RunOptions, check_capacity, run_config
 from kvproof.sim.workload import Workload
 from kvproof.spec.layout import Layout, LayoutConfig, resolve_layout
 
@@ -48,6 +48,8 @@ class PlanRequest:
     deployment: Deployment = Deployment(None)
     #: What the recommended ``vllm serve`` command serves (a folder; None: a placeholder).
     serve_model: Optional[str] = None
+    #: The sweep is the automatic one: its points too small for the workload are left out.
+    sweep_auto: bool = False
 
 
 @dataclasses.dataclass
@@ -84,6 +86,8 @@ class PlanResult:
     vllm_groups: tuple[int, ...] = ()
     #: Prompt tokens the reuse probe examined (fewer than the workload's on a long token trace).
     reuse_tokens: int = 0
+    #: What the plan left out, one line each (the automatic sweep's too-small pools).
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def violations(self) -> int:
@@ -98,23 +102,36 @@ def _pool_for(req: PlanRequest, layout: Layout, kv_bytes: Optional[int]) -> Pool
     return plan_pool(layout, req.memory, kv_bytes, None if kv_bytes is not None else req.num_blocks)
 
 
-def prepare(req: PlanRequest) -> tuple[dict[int, Layout], list[Task]]:
-    """Resolve every layout and pool before any replay (bad input fails here, fast)."""
+def prepare(req: PlanRequest) -> tuple[dict[int, Layout], list[Task], list[str]]:
+    """Resolve every layout and pool before any replay (bad input fails here, fast). The third
+    item names the automatic sweep's points left out: pools too small for the longest request."""
     layouts = {d: resolve_layout(dataclasses.replace(req.base, dcp=d)) for d in req.dcps}
+    longest = req.workload.longest_request
     tasks = []
     for d in req.dcps:
         pool = _pool_for(req, layouts[d], req.kv_memory_bytes)
         _check_pool(pool, d, req.kv_memory_bytes)
-        config_layout(req.base, d, pool)  # the expanded geometry must resolve too
+        check_capacity(longest, req.base, d, pool, req.options)  # the expanded geometry resolves too
         tasks += [Task(d, req.kv_memory_bytes, pool, False, eviction=e) for e in req.policies]
         if "vllm" in req.engines:
             tasks.append(Task(d, req.kv_memory_bytes, pool, False, "vllm"))
+    left_out = []
     for kv in req.sweep_bytes:
         for d in req.dcps:
             pool = _pool_for(req, layouts[d], kv)
-            _check_pool(pool, d, kv)
+            try:
+                _check_pool(pool, d, kv)
+                check_capacity(longest, req.base, d, pool, req.options, remedy="give --memory-sweep sizes that hold it")
+            except ValueError as e:
+                if not req.sweep_auto:
+                    raise ValueError(f"--memory-sweep {gib(kv):.4g} GiB per GPU: {e}") from None
+                left_out.append(f"{gib(kv):.4g} GiB at DCP {d}")
+                continue
             tasks += [Task(d, kv, pool, True, eviction=e) for e in req.policies]
-    return layouts, tasks
+    if left_out:
+        left_out = [f"memory sweep: left out {', '.join(left_out)}: too small a pool for the longest request "
+                    f"({longest:,} tokens)"]
+    return layouts, tasks, left_out
 
 
 #: Most pool blocks a plan may ask for: the pool keeps two int lists per block, so this bounds
@@ -153,7 +170,7 @@ def run_plan(req: PlanRequest, progress: Optional[Callable[[int, int], None]] = 
     """Run every configuration; ``progress(done, total)`` is called as requests finish.
     Raises ValueError / CapacityError for input a configuration cannot serve."""
     started = time.perf_counter()
-    layouts, tasks = prepare(req)
+    layouts, tasks, notes = prepare(req)
     total = len(tasks) * len(req.workload)
     jobs = max(1, min(req.jobs, len(tasks)))
     if jobs > 1 and "fork" in multiprocessing.get_all_start_methods():
@@ -183,7 +200,7 @@ def run_plan(req: PlanRequest, progress: Optional[Callable[[int, int], None]] = 
     diagnoses = diagnose(layouts, reports, prompt_lengths, req.options.max_num_seqs, req.memory, reuse)
     return PlanResult(
         req, layouts, reports, sweep, vllm_reports, _recommendation(req, reports, sweep), diagnoses, reuse,
-        time.perf_counter() - started, tasks[0].pool.vllm_groups, reuse_tokens,
+        time.perf_counter() - started, tasks[0].pool.vllm_groups, reuse_tokens, notes,
     )
 
 

@@ -68,6 +68,7 @@ def plan_to_json(result: PlanResult) -> dict:
         "memory_sweep": [config_to_json(r) for r in result.sweep],
         "reuse_bound": {str(u): round(f, 6) for u, f in sorted(result.reuse.items())},
         "reuse_bound_prompt_tokens": result.reuse_tokens,
+        "notes": result.notes,
         "recommendation": result.recommendation,
         "diagnoses": [d.to_json() for d in result.diagnoses],
         "seconds": round(result.seconds, 3),
@@ -144,7 +145,7 @@ def plan_to_text(result: PlanResult) -> str:
         lines += ["", f"reuse the traffic allows with an unbounded cache{part}: " + ", ".join(
             f"{100 * f:.1f} % in {u:,}-token steps" for u, f in sorted(result.reuse.items()))]
     rec = result.recommendation
-    lines += ["", f"recommendation: {rec['text']}"]
+    lines += [""] + result.notes + [f"recommendation: {rec['text']}"]
     if "serve" in rec:
         lines.append(f"  {rec['serve']}")
         if rec["not_reproduced"]:

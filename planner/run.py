@@ -73,6 +73,26 @@ def config_layout(base: LayoutConfig, dcp: int, pool: PoolPlan):
     return resolve_layout(dataclasses.replace(base, dcp=dcp, groups=expand_groups(base.groups, pool)))
 
 
+def check_capacity(
+    longest: int, base: LayoutConfig, dcp: int, pool: PoolPlan, options: RunOptions,
+    remedy: str = "raise --kv-memory-gib or --num-blocks",
+) -> int:
+    """The longest request the pool holds alone (at most max-model-len); ValueError (ending
+    with ``remedy``) unless a request of ``longest`` tokens fits both."""
+    if longest > base.max_model_len:
+        raise ValueError(f"the workload's longest request needs {longest:,} tokens > max_model_len {base.max_model_len:,}")
+    layout = config_layout(base, dcp, pool)
+    expanded = tuple(g.group for g in layout.groups)
+    usable = pool.num_blocks - 1  # block 0 is the null block
+    fits = largest_request(expanded, dcp, usable, base.max_model_len, options.max_num_batched_tokens)
+    if fits < longest:
+        raise ValueError(
+            f"at DCP {dcp} the pool of {pool.num_blocks:,} blocks holds a request of at most {fits:,} tokens, "
+            f"but the workload's longest needs {longest:,}; {remedy}"
+        )
+    return fits
+
+
 def run_config(
     workload: Workload,
     base: LayoutConfig,
@@ -84,18 +104,8 @@ def run_config(
 ) -> ConfigReport:
     """Replay ``workload`` at ``dcp`` in ``pool``. Raises ValueError / CapacityError for input
     the configuration cannot serve (checked before the replay where it can be)."""
+    fits = check_capacity(workload.longest_request, base, dcp, pool, options)
     layout = config_layout(base, dcp, pool)
-    expanded = tuple(g.group for g in layout.groups)
-    usable = pool.num_blocks - 1  # block 0 is the null block
-    fits = largest_request(expanded, dcp, usable, base.max_model_len, options.max_num_batched_tokens)
-    longest = workload.longest_request
-    if longest > base.max_model_len:
-        raise ValueError(f"the workload's longest request needs {longest:,} tokens > max_model_len {base.max_model_len:,}")
-    if fits < longest:
-        raise ValueError(
-            f"at DCP {dcp} the pool of {pool.num_blocks:,} blocks holds a request of at most {fits:,} tokens, "
-            f"but the workload's longest needs {longest:,}; raise --kv-memory-gib or --num-blocks"
-        )
     attention = any(g.group.kind.is_attention and g.group.prefix_cacheable for g in layout.groups)
     counted: set[str] = set()
     attention_cached = 0

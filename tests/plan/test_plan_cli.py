@@ -234,3 +234,28 @@ def test_eviction_policies_side_by_side(capsys, mooncake_trace):
     code, out, err = run_plan(capsys, *argv)
     assert code == 0, err
     assert " engine  eviction  DCP" in out and "kvproof   compute    2" in out
+
+
+SWEEP_ARGV = ["--generate", "--requests", "6", "--system-prompt-len", "2000-2000", "--suffix-len", "10-10",
+              "--output-len", "2-2", *SMALL, "--dcp", "1,2", "--bytes-per-token", "256", "--bytes-per-state", "4096",
+              "--layers", "1,3", "--kv-memory-gib", "0.01"]
+
+
+def test_a_sweep_size_too_small_for_the_workload_is_refused_before_any_replay(capsys, monkeypatch):
+    import kvproof.planner.plan as plan_module
+
+    monkeypatch.setattr(plan_module.Task, "run", lambda *a: pytest.fail("a replay ran before the check"))
+    code, out, err = run_plan(capsys, *SWEEP_ARGV, "--memory-sweep", "0.0002,0.005")
+    assert code == 2 and out == ""
+    assert err.startswith("kvproof plan: error: --memory-sweep 0.0002 GiB per GPU: at DCP 1 the pool of ")
+    assert err.rstrip().endswith("give --memory-sweep sizes that hold it")
+
+
+def test_the_automatic_sweep_leaves_out_what_cannot_hold_the_workload(capsys):
+    code, out, err = run_plan(capsys, *SWEEP_ARGV, "--memory-sweep", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    (note,) = data["notes"]
+    assert note.startswith("memory sweep: left out 0.0003125 GiB at DCP 1") and "longest request" in note
+    swept = {(c["dcp"], c["kv_memory_gib"]) for c in data["memory_sweep"]}
+    assert (1, 0.0003125) not in swept and (1, 0.01) in swept
