@@ -20,6 +20,9 @@ import pytest
 
 # Before any kvproof module is imported: whole-state (slow-tier) checks run in tests.
 os.environ.setdefault("ICONTRACT_SLOW", "1")
+# vLLM picks its platform once, when a vLLM module first asks: the CPU platform must be chosen
+# before any test folder (tests/plan, tests/vllm, ...) imports one.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from hypothesis import HealthCheck, event, settings  # noqa: E402
 

@@ -1,10 +1,6 @@
-"""vLLM picks its platform once, from the environment, when something first asks for it: the
-CPU platform must be chosen before any vLLM module is imported (the engine harness, the checked
-scheduler and the CPU executor run on it)."""
+"""vLLM runs on its CPU platform here (tests/conftest.py chooses it before any vLLM import)."""
 
 import os
-
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 # In-process tests choose their checks explicitly (--scheduler-cls, or a subprocess that loads the
 # plugin): an empty allow-list keeps vLLM from loading kvproof's general plugin, which would
