@@ -171,8 +171,8 @@ def _workload(args: argparse.Namespace, max_len: int):
     with resources.as_file(data) as path:
         workload = read_workload(str(path), args.step_ms, args.limit)
     workload.description = (
-        f"built-in: first requests of the Mooncake conversation trace (real Kimi chat traffic), "
-        f"{len(workload):,} requests, {args.step_ms:g} ms per step"
+        f"built-in: first {len(workload):,} requests of the Mooncake conversation trace (Kimi chat), "
+        f"{args.step_ms:g} ms/step"
     )
     return workload
 

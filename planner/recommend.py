@@ -156,6 +156,8 @@ def recommend(reports: list[ConfigReport], sweep: list[ConfigReport], objective:
         "dcp": choice.dcp, "eviction": choice.eviction, "kv_memory_gib": round(_memory(choice), 4),
         "kv_memory_bytes": choice.kv_memory_bytes, "hit_rate": round(choice.hit_rate, 6), "gpus": gpus,
     }
-    head = f"{objective.label()}: {_name(choice, several)} on {gpus} GPU{'s' * (gpus > 1)}, {_memory(choice):.4g} GiB KV per GPU, {_pct(choice.hit_rate)} hit rate"
-    out["text"] = head + "".join(f"; {n}" for n in notes)
+    out["head"] = (f"{objective.label()}: {_name(choice, several)} on {gpus} GPU{'s' * (gpus > 1)}, "
+                   f"{_memory(choice):.4g} GiB KV per GPU, {_pct(choice.hit_rate)} hit rate")
+    out["notes"] = notes
+    out["text"] = out["head"] + "".join(f"; {n}" for n in notes)
     return out

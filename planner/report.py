@@ -80,6 +80,12 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
+def _group_names(layout) -> list[str]:
+    """Each layout group by its kind, numbered where a kind repeats."""
+    kinds = [g.group.kind.value for g in layout.groups]
+    return [k if kinds.count(k) == 1 else f"{k}{kinds[:i + 1].count(k)}" for i, k in enumerate(kinds)]
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f}"
 
@@ -92,10 +98,11 @@ def plan_to_text(result: PlanResult) -> str:
         first, second = req.model.describe()
         lines += [f"model: {first}", f"       {second}"]
     lines += [
-        f"workload: {req.workload.description}; {req.workload.prompt_tokens:,} prompt tokens",
+        f"workload: {req.workload.description}",
+        f"          {req.workload.prompt_tokens:,} prompt tokens",
         f"layout: {', '.join(g.group.label for g in base.groups)}; max-model-len {base.config.max_model_len:,}; "
-        f"retention {'none' if base.config.retention_interval is None else base.config.retention_interval}; "
-        f"budget {req.options.max_num_batched_tokens:,} tokens/step; engine kvproof"
+        f"retention {'none' if base.config.retention_interval is None else base.config.retention_interval}",
+        f"run: budget {req.options.max_num_batched_tokens:,} tokens/step; engine kvproof"
         + (" and vLLM 0.33.0" if result.vllm_reports else "")
         + (" with the content oracle" if req.options.oracle else ""),
     ]
@@ -104,26 +111,30 @@ def plan_to_text(result: PlanResult) -> str:
         mem = f"{gib(r0.kv_memory_bytes):.4g} GiB per GPU -> " if r0.kv_memory_bytes is not None else ""
         lines.append(f"pool: {mem}{r0.num_blocks:,} blocks of {_mib(r0.block_bytes)} MiB (as vLLM's KV planner sizes it)")
     several = len(req.policies) > 1
-    header = ["engine"] + (["eviction"] if several else []) + ["DCP", "hit rate", "attn alone", "req w/ hit", "prefill tok", "CoW", "evictions", "preempt"]
-    has_peak = all(r.peak_blocks_per_group is not None for r in result.reports)
-    if has_peak:
-        header.append("peak blocks/group")
-    header += ["tables MiB/group", "largest req", "violations"]
-    rows = [header]
     by_dcp = sorted(result.reports + result.vllm_reports,
                     key=lambda r: (r.dcp, r.engine != "kvproof", req.policies.index(r.eviction) if r.eviction in req.policies else 0))
+
+    def first(r: ConfigReport) -> list[str]:
+        return [r.engine] + ([r.eviction] if several else []) + [str(r.dcp)]
+
+    key = ["engine"] + (["eviction"] if several else []) + ["DCP"]
+    rows = [key + ["hit rate", "attn alone", "req w/ hit", "prefill tok", "CoW", "evictions", "preempt", "violations"]]
     for r in by_dcp:
-        row = [r.engine] + ([r.eviction] if several else []) + [
-            str(r.dcp), f"{100 * r.hit_rate:.1f} %",
-            "-" if r.attention_hit_rate is None else f"{100 * r.attention_hit_rate:.1f} %",
+        rows.append(first(r) + [
+            f"{100 * r.hit_rate:.1f} %", "-" if r.attention_hit_rate is None else f"{100 * r.attention_hit_rate:.1f} %",
             f"{r.requests_with_hit:,}/{r.requests:,}", f"{r.prefill_tokens:,}", f"{r.cow_copies:,}",
-            f"{r.evictions:,}", f"{r.preemptions:,}",
-        ]
-        if has_peak:
-            row.append("/".join(f"{b:,}" for b in r.peak_blocks_per_group) if r.peak_blocks_per_group else "-")
-        row += ["/".join(_mib(b) for b in r.table_bytes_per_group), f"{r.largest_request:,}", str(len(r.violations))]
-        rows.append(row)
+            f"{r.evictions:,}", f"{r.preemptions:,}", str(len(r.violations)),
+        ])
     lines += ["", _table(rows)]
+    # Per group (named by kind): the most blocks held at once, and the block tables on one GPU.
+    names = _group_names(base)
+    has_peak = all(r.peak_blocks_per_group is not None for r in result.reports)
+    rows = [key + ([f"peak {n}" for n in names] if has_peak else []) + [f"tables {n}" for n in names] + ["largest req"]]
+    for r in by_dcp:
+        peaks = [f"{b:,}" for b in r.peak_blocks_per_group] if r.peak_blocks_per_group else ["-"] * len(names)
+        rows.append(first(r) + (peaks if has_peak else []) + [f"{_mib(b)} MiB" for b in r.table_bytes_per_group]
+                    + [f"{r.largest_request:,}"])
+    lines += ["", "per GPU: peak blocks held and block tables, per group; the longest request that fits:", _table(rows)]
     notes = sorted({f"vLLM at DCP {r.dcp}: {n}" for r in result.vllm_reports for n in r.notes})
     lines += [f"note: {n}" for n in notes]
     if result.sweep:
@@ -145,11 +156,13 @@ def plan_to_text(result: PlanResult) -> str:
         lines += ["", f"reuse the traffic allows with an unbounded cache{part}: " + ", ".join(
             f"{100 * f:.1f} % in {u:,}-token steps" for u, f in sorted(result.reuse.items()))]
     rec = result.recommendation
-    lines += [""] + result.notes + [f"recommendation: {rec['text']}"]
+    lines += [""] + result.notes + [f"recommendation: {rec.get('head', rec['text'])}"]
+    lines += [f"  {n}" for n in rec.get("notes", ())]
     if "serve" in rec:
         lines.append(f"  {rec['serve']}")
         if rec["not_reproduced"]:
-            lines.append("  these numbers use kvproof's rules; stock vLLM has none of: " + "; ".join(rec["not_reproduced"]))
+            lines.append("  these numbers use kvproof's rules, which stock vLLM lacks:")
+            lines += [f"    {n}" for n in rec["not_reproduced"]]
     if result.diagnoses:
         lines.append("diagnoses:")
         lines += [f"  [{d.id}] {d.message}" for d in result.diagnoses]

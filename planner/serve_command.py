@@ -64,9 +64,9 @@ def serve_command(
             argv += ["--enable-mamba-shared-prefix-checkpoint"]
     missing = []
     if config.attention_keys != "chunk-ends":
-        missing.append(f"--attention-keys {config.attention_keys} (vLLM keys only each step's last hash boundary)")
+        missing.append(f"--attention-keys {config.attention_keys} (vLLM keys each step's last hash boundary only)")
     if config.eviction != "lru":
-        missing.append(f"--eviction {config.eviction} (vLLM evicts least recently used)")
+        missing.append(f"--eviction {config.eviction} (vLLM evicts the least recently used)")
     if eagle:
         missing.append("--eagle (add your draft model as vllm serve's --speculative-config)")
     if config.hash_block_size is not None and not mamba:

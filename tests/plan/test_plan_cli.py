@@ -132,6 +132,10 @@ def test_text_report(plan_cli):
     out = done.stdout
     assert "DCP  hit rate" in out and "recommendation: hit-rate: DCP " in out and "invariant violations: none" in out
     assert "\n  vllm serve <model> --tensor-parallel-size 8 " in out
+    assert " engine  DCP  peak mla  peak mamba  tables mla  tables mamba  largest req\n" in out
+    # Everything but the command to copy and the diagnoses' sentences fits 100 columns.
+    wide = [line for line in out.splitlines() if len(line) > 100 and not line.startswith(("  vllm serve", "  ["))]
+    assert not wide, wide
 
 
 def test_generated_workload_and_memory_sweep(capsys):
