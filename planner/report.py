@@ -34,6 +34,8 @@ def config_to_json(r: ConfigReport) -> dict:
         "engine": r.engine,
         "eviction": r.eviction,
     }
+    if r.halves is not None:
+        out["hit_rate_by_half"] = [round(h, 6) for h in r.halves]
     if r.notes:
         out["notes"] = r.notes
     if r.peak_blocks_per_group is not None:
@@ -135,6 +137,11 @@ def plan_to_text(result: PlanResult) -> str:
         rows.append(first(r) + (peaks if has_peak else []) + [f"{_mib(b)} MiB" for b in r.table_bytes_per_group]
                     + [f"{r.largest_request:,}"])
     lines += ["", "per GPU: peak blocks held and block tables, per group; the longest request that fits:", _table(rows)]
+    warm = [r for r in result.reports if r.halves is not None]
+    if warm:
+        lines += ["", "warm-up, hit rate of the first and second half of the requests (a cold cache shows first):",
+                  "  " + ", ".join(f"DCP {r.dcp}" + (f" {r.eviction}" if several else "")
+                                   + f" {100 * r.halves[0]:.1f} -> {100 * r.halves[1]:.1f} %" for r in warm)]
     notes = sorted({f"vLLM at DCP {r.dcp}: {n}" for r in result.vllm_reports for n in r.notes})
     lines += [f"note: {n}" for n in notes]
     if result.sweep:

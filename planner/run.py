@@ -55,6 +55,9 @@ class ConfigReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     #: The pool's eviction policy (``spec.eviction``); vLLM's engine is always lru.
     eviction: str = "lru"
+    #: Hit rate of the requests arriving before the middle request, and of the rest: a cold
+    #: cache shows as a lower first half (None where the engine does not say).
+    halves: Optional[tuple[float, float]] = None
 
     @property
     def hit_rate(self) -> float:
@@ -135,8 +138,15 @@ def run_config(
                     n, _ = m.find_hit(req, n)
                 attention_cached += max(n, 0)
 
+    middle = workload.entries[len(workload.entries) // 2].arrival if workload.entries else 0
+    halves = [[0, 0], [0, 0]]  # [cached, prompt] before the middle arrival, and from it
+
     def on_finish(req: Request) -> None:
         counted.discard(req.request_id)
+        if req.num_cached_tokens is not None:
+            half = halves[req.arrival >= middle]
+            half[0] += req.num_cached_tokens
+            half[1] += req.num_prompt_tokens
         if on_request_done is not None:
             on_request_done()
 
@@ -171,6 +181,7 @@ def run_config(
         violations=result.violations,
         seconds=seconds,
         eviction=base.eviction,
+        halves=tuple(c / n if n else 0.0 for c, n in halves),
     )
 
 

@@ -263,3 +263,17 @@ def test_the_automatic_sweep_leaves_out_what_cannot_hold_the_workload(capsys):
     assert note.startswith("memory sweep: left out 0.0003125 GiB at DCP 1") and "longest request" in note
     swept = {(c["dcp"], c["kv_memory_gib"]) for c in data["memory_sweep"]}
     assert (1, 0.0003125) not in swept and (1, 0.01) in swept
+
+
+def test_warm_up_halves_split_the_hit_rate(tmp_path, plan_json):
+    # Ten distinct prompts, then the same ten again: the first half can only miss, the second hit.
+    prompts = [list(range(1000 * i, 1000 * i + 300)) for i in range(10)]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(
+        json.dumps({"id": f"r{i}", "prompt": p, "output": [9, 9], "arrival": 40 * i}) + "\n"
+        for i, p in enumerate(prompts + prompts)))
+    data = plan_json("--trace", str(path), *SMALL[:6], "--dcp", "1", "--num-blocks", "400", "--jobs", "1")
+    (config,) = data["configs"]
+    first, second = config["hit_rate_by_half"]
+    assert first == 0 and second > 0.8
+    assert first <= config["hit_rate"] <= second  # the whole is an average of its halves
