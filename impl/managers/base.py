@@ -4,9 +4,10 @@ step's ledger (copies, hit references, blocks allocated and keyed), and freeing.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvproof.impl.block_pool import NULL_BLOCK, BlockPool
+from kvproof.impl.key_index import Key
 from kvproof.impl.eviction import EvictionValuer
 from kvproof.impl.hashing import key_at
 from kvproof.impl.request import Request
@@ -233,15 +234,16 @@ class SingleTypeManager:
         table.extend(new)
         return new
 
-    def _key_full_blocks(self, request: Request, table: list[int], first: int, last: int, keep_prefixes: bool = False) -> None:
+    def _key_full_blocks(self, request: Request, table: list[int], first: int, last: int, attach: Callable[[int, Key, int], bool]) -> None:
         """Mutates. Give blocks ``first .. last-1`` of ``table`` their full-block keys (the fine
-        hash at each block's end); null entries are skipped. ``keep_prefixes``: the blocks'
-        partial keys stay as prefix keys (append-only KV)."""
+        hash at each block's end) with the pool verb ``attach`` (``cache_full``: the blocks'
+        partial keys are retired; ``extend_full``: they stay as prefix keys); null entries are
+        skipped."""
         b, h, gid = self.effective_block_size, self.hash_block_size, self.group_id
-        hashes, cache_full, keyed = request.block_hashes, self.pool.cache_full, self.ledger.keyed
+        hashes, keyed = request.block_hashes, self.ledger.keyed
         for j in range(first, last):
             blk = table[j]
-            if blk != NULL_BLOCK and cache_full(blk, key_at(hashes, (j + 1) * b, h, gid), (j + 1) * b, keep_prefixes):
+            if blk != NULL_BLOCK and attach(blk, key_at(hashes, (j + 1) * b, h, gid), (j + 1) * b):
                 keyed.add(blk)
 
     def _fresh(self, n: int) -> list[int]:

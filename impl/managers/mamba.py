@@ -225,7 +225,7 @@ class MambaManager(SingleTypeManager):
         if n % b == 0:
             if pool.key_of(block) != key and pool.cache_full(block, key, n):
                 self.ledger.keyed.add(block)
-        elif pool.cache_partial(block, key, n, replace=True):
+        elif pool.replace_key(block, key, n):
             self.ledger.keyed.add(block)
         if self.valuer is not None and pool.key_of(block) == key:
             self.valuer.note_state(rid, self.group_id, n)

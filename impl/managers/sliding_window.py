@@ -67,7 +67,7 @@ class SlidingWindowManager(SingleTypeManager):
         state = self.requests[request.request_id]
         table = state.row
         full = min(num_computed, request.hashed_len) // self.effective_block_size
-        self._key_full_blocks(request, table, state.full_keyed, full)
+        self._key_full_blocks(request, table, state.full_keyed, full, self.pool.cache_full)
         state.full_keyed = max(full, state.full_keyed)
         # Blocks wholly before the next token's window are no longer read.
         out = [j for j in range(self._first_needed(num_computed)) if table[j] != NULL_BLOCK]

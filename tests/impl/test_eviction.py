@@ -140,7 +140,7 @@ def test_uncached_first_catches_a_cached_block_in_the_uncached_queue():
     (a,) = pool.allocate(1)
     pool.cache_full(a, ("k", a), 4)
     pool.free([a], [1.0])
-    pool._link_last(a)  # corrupt: the cached block is also linked into the uncached queue
+    pool._queue._uncached.push_back(a)  # corrupt: the cached block is also linked into the uncached queue
     with pytest.raises(InvariantViolation, match="INV-EVICT-UNCACHED-FIRST"):
         pool._check()
     with pytest.raises(InvariantViolation, match="INV-EVICT-UNCACHED-FIRST"):
@@ -154,8 +154,9 @@ def test_clock_catches_a_priority_below_its_release_number():
     for x in (a, b):
         pool.cache_full(x, ("k", x), 4)
     pool.free([a, b], [0.0, 0.0])  # released as 0 and 1
-    pool._heap[:] = [(-5.0, pool._hseq[a], a), (1.0, pool._hseq[b], b)]
-    pool._prio[a] = -5.0
+    queue = pool._queue
+    queue._heap[:] = [(-5.0, queue._live_seq[a], a), (1.0, queue._live_seq[b], b)]
+    queue._prio[a] = -5.0
     with pytest.raises(InvariantViolation, match="INV-EVICT-CLOCK"):
         pool._check()
     with pytest.raises(InvariantViolation, match="INV-EVICT-CLOCK"):
