@@ -159,11 +159,11 @@ class SingleTypeManager:
         return range((start // a + 1) * a, min(end, request.hashed_len) + 1, a)
 
     def idle_until(self, request: Request, num_computed: int) -> int:
-        """The largest token count T such that, right after ``cache(request, num_computed)``,
-        ``allocate`` of any total in ``(num_computed, T]`` takes nothing and returns no
-        entries, and ``cache`` of any such count changes nothing: the steps the coordinator
-        may skip this group for (most decode steps). No state change. This default skips
-        nothing."""
+        """The largest token count T such that, right after ``key`` and ``release`` of
+        ``num_computed``, ``allocate`` of any total in ``(num_computed, T]`` takes nothing and
+        returns no entries, and ``key`` and ``release`` of any such count change nothing: the
+        steps the coordinator may skip this group for (most decode steps). No state change.
+        This default skips nothing."""
         return num_computed
 
     def check_width(self, request: Request, total_tokens: int) -> None:
@@ -208,9 +208,14 @@ class SingleTypeManager:
         entries to append to the worker row (this default: fresh blocks at the end)."""
         return self._grow(self.requests[request.request_id].row, total_tokens)
 
-    def cache(self, request: Request, num_computed: int) -> None:
-        """Mutates. Key what the forward pass just computed (called after the step ran)."""
+    def key(self, request: Request, num_computed: int) -> None:
+        """Mutates. Key what the forward pass just computed (called after the step ran, before
+        :meth:`release`; the order: ``HybridCoordinator.cache``)."""
         raise NotImplementedError
+
+    def release(self, request: Request, num_computed: int) -> None:
+        """Mutates. Release the blocks the request no longer reads now that the step ran (vLLM's
+        ``remove_skipped_blocks``). This default releases nothing: a row that only grows."""
 
     def free(self, request: Request) -> None:
         """Mutates. Drop the request's references, tail first (its tail is evicted first)."""

@@ -121,7 +121,7 @@ class FullAttentionManager(SingleTypeManager):
 
     # --- caching --------------------------------------------------------------------------------
 
-    def cache(self, request: Request, num_computed: int) -> None:
+    def key(self, request: Request, num_computed: int) -> None:
         state = self.requests[request.request_id]
         table = state.row
         b, h = self.effective_block_size, self.hash_block_size
@@ -145,7 +145,7 @@ class FullAttentionManager(SingleTypeManager):
         state.full_keyed, state.partial_keyed = max(full, full_done), partial_done
 
     def _next_key(self, state: AttentionRequest) -> int:
-        """The least hashed length at which ``cache`` has something new to key for this
+        """The least hashed length at which ``key`` has something new to key for this
         request: the end of the first block without its full key or, with partial hits, the
         hash boundary after the last one keyed. No state change."""
         nxt = (state.full_keyed + 1) * self.effective_block_size

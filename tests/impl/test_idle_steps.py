@@ -205,13 +205,14 @@ def test_only_the_steps_that_need_a_block_or_complete_one_reach_the_manager(monk
     config = LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, 4),), max_model_len=512)
     kv = KVCacheManager(resolve_layout(config), 64)
     manager = kv.coordinator.managers[0]
-    grown, cached = [], []
-    grow, cache = manager.grow, manager.cache
+    grown, keyed, released = [], [], []
+    grow, key, release = manager.grow, manager.key, manager.release
     monkeypatch.setattr(manager, "grow", lambda request, total: grown.append(total) or grow(request, total))
-    monkeypatch.setattr(manager, "cache", lambda request, n: cached.append(n) or cache(request, n))
+    monkeypatch.setattr(manager, "key", lambda request, n: keyed.append(n) or key(request, n))
+    monkeypatch.setattr(manager, "release", lambda request, n: released.append(n) or release(request, n))
     _decode(kv, Request("r", tuple(range(6)), kv.layout.hash_block_size), 6, 16)
     assert grown == [8, 9, 12, 13, 16]
-    assert cached == [6, 8, 9, 12, 13, 16]
+    assert keyed == released == [6, 8, 9, 12, 13, 16]
 
 
 @pytest.mark.parametrize("computed, idle_until", [
