@@ -69,6 +69,46 @@ def _keys_snapshot(self: "BlockPool", block: int):
     return self.keys_of(block) if isinstance(block, int) and 0 <= block < self._num_blocks else None
 
 
+# Conditions the keying verbs share (slow tier, after the call; ``OLD.keys``: ``_keys_snapshot``).
+
+
+def _the_only_key(self: "BlockPool", block: int, key: Key, num_tokens: int, result) -> bool:
+    """A newly attached key is the block's only one (its earlier keys were retired)."""
+    return not result or self.keys_of(block) == ((key, num_tokens),)
+
+
+def _every_key_kept(OLD, self: "BlockPool", block: int, result) -> bool:
+    """A newly attached key left the block every key it had."""
+    return not result or set(OLD.keys) <= set(self.keys_of(block))
+
+
+def _refusal_changes_nothing(OLD, self: "BlockPool", block: int, result) -> bool:
+    return result is not None or self.keys_of(block) == OLD.keys
+
+
+def _refused_iff_covered(OLD, key: Key, num_tokens: int, result) -> bool:
+    """A partial key is refused (None) exactly where the block covers its boundary under another key."""
+    return (result is None) == (bool(OLD.keys) and key not in dict(OLD.keys) and OLD.keys[0][1] >= num_tokens)
+
+
+def _partial_key_contracts(verb: str) -> Callable[[Callable], Callable]:
+    """The slow-tier conditions both partial-key verbs carry, worded with the verb's name."""
+    declared = (
+        snapshot(_keys_snapshot, name="keys", tier=SLOW),
+        ensure(_refusal_changes_nothing, f"INV-POOL-ATOMIC: a refused {verb} changes nothing", tier=SLOW),
+        ensure(_refused_iff_covered,
+               f"INV-POOL-NO-STALE-PARTIAL: {verb} refuses exactly a boundary the block already covers under another key", tier=SLOW),
+        ensure(lambda self: self._check(), f"INV-POOL-CONSERVE: whole-pool check after {verb}", tier=SLOW),
+    )
+
+    def apply(fn: Callable) -> Callable:
+        for decorate in reversed(declared):  # as if stacked in this order above ``fn``
+            fn = decorate(fn)
+        return fn
+
+    return apply
+
+
 class BlockPool:
     """KV-cache blocks ``0 .. num_blocks-1`` with ref counts and prefix-cache keys.
 
@@ -372,12 +412,7 @@ class BlockPool:
 
     # --- verbs: keys (mutate state) -------------------------------------------------------------
 
-    @snapshot(_keys_snapshot, name="keys", tier=SLOW)
-    @ensure(
-        lambda OLD, self, block, key, num_tokens, result: not result or self.keys_of(block) == ((key, num_tokens),),
-        "INV-POOL-NO-STALE-PARTIAL: after cache_full the full key is the block's only key",
-        tier=SLOW,
-    )
+    @ensure(_the_only_key, "INV-POOL-NO-STALE-PARTIAL: after cache_full the full key is the block's only key", tier=SLOW)
     @ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after cache_full", tier=SLOW)
     def cache_full(self, block: int, key: Key, num_tokens: int) -> bool:
         """Mutates. Name a held block by its full-block key covering ``num_tokens`` tokens; its
@@ -387,10 +422,10 @@ class BlockPool:
         return self._attach_full(block, key, num_tokens, self._index.drop, "cache_full")
 
     @snapshot(_keys_snapshot, name="keys", tier=SLOW)
+    @ensure(_every_key_kept, "INV-POOL-PREFIX-KEYS: extend_full keeps every key the block had", tier=SLOW)
     @ensure(
-        lambda OLD, self, block, key, num_tokens, result: not result
-        or (set(OLD.keys) <= set(self.keys_of(block)) and self.keys_of(block)[0] == (key, num_tokens)),
-        "INV-POOL-PREFIX-KEYS: extend_full keeps every key the block had, under the full key",
+        lambda self, block, key, num_tokens, result: not result or self.keys_of(block)[0] == (key, num_tokens),
+        "INV-POOL-NO-STALE-PARTIAL: after extend_full the full key is the block's primary",
         tier=SLOW,
     )
     @ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after extend_full", tier=SLOW)
@@ -399,19 +434,7 @@ class BlockPool:
         keys, so a request that diverges inside the block still finds the longest prefix it shares."""
         return self._attach_full(block, key, num_tokens, self._index.demote, "extend_full")
 
-    @snapshot(_keys_snapshot, name="keys", tier=SLOW)
-    @ensure(
-        lambda OLD, self, block, result: result is not None or self.keys_of(block) == OLD.keys,
-        "INV-POOL-ATOMIC: a refused cache_partial changes nothing",
-        tier=SLOW,
-    )
-    @ensure(
-        lambda OLD, key, num_tokens, result: (result is None)
-        == (bool(OLD.keys) and key not in dict(OLD.keys) and OLD.keys[0][1] >= num_tokens),
-        "INV-POOL-NO-STALE-PARTIAL: cache_partial refuses exactly a boundary the block already covers under another key",
-        tier=SLOW,
-    )
-    @ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after cache_partial", tier=SLOW)
+    @_partial_key_contracts("cache_partial")
     def cache_partial(self, block: int, key: Key, num_tokens: int) -> Optional[bool]:
         """Mutates unless refused. Offer a partial (sub-block, hash-aligned) key for a held block.
 
@@ -422,29 +445,14 @@ class BlockPool:
         """
         return self._offer_partial(block, key, num_tokens, self._index.drop, "cache_partial")
 
-    @snapshot(_keys_snapshot, name="keys", tier=SLOW)
-    @ensure(
-        lambda OLD, self, block, result: not result or set(OLD.keys) <= set(self.keys_of(block)),
-        "INV-POOL-PREFIX-KEYS: extend_partial keeps every key the block had",
-        tier=SLOW,
-    )
-    @ensure(
-        lambda OLD, key, num_tokens, result: (result is None)
-        == (bool(OLD.keys) and key not in dict(OLD.keys) and OLD.keys[0][1] >= num_tokens),
-        "INV-POOL-NO-STALE-PARTIAL: extend_partial refuses exactly a boundary the block already covers under another key",
-        tier=SLOW,
-    )
-    @ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after extend_partial", tier=SLOW)
+    @ensure(_every_key_kept, "INV-POOL-PREFIX-KEYS: extend_partial keeps every key the block had", tier=SLOW)
+    @_partial_key_contracts("extend_partial")
     def extend_partial(self, block: int, key: Key, num_tokens: int) -> Optional[bool]:
         """Mutates unless refused. :meth:`cache_partial` for append-only KV: the block's keys so
         far stay as prefix keys. Same results."""
         return self._offer_partial(block, key, num_tokens, self._index.demote, "extend_partial")
 
-    @ensure(
-        lambda self, block, key, num_tokens, result: not result or self.keys_of(block) == ((key, num_tokens),),
-        "INV-POOL-NO-STALE-PARTIAL: after replace_key the new key is the block's only key",
-        tier=SLOW,
-    )
+    @ensure(_the_only_key, "INV-POOL-NO-STALE-PARTIAL: after replace_key the new key is the block's only key", tier=SLOW)
     @ensure(lambda self: self._check(), "INV-POOL-CONSERVE: whole-pool check after replace_key", tier=SLOW)
     def replace_key(self, block: int, key: Key, num_tokens: int) -> bool:
         """Mutates. Name a held block whose contents were rewritten (a Mamba state at a new
