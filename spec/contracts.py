@@ -69,6 +69,9 @@ def snapshot(capture: Callable, name: str, *, tier: str) -> Callable[[Callable],
 
 
 def _declare(tier: str, make: Callable[[], Callable]) -> Callable[[Callable], Callable]:
+    """A decorator adding the condition ``make`` builds, of ``tier``, to a function: it rebuilds
+    the function's two variants -- cheap conditions only, and every condition -- from the bare
+    function and all conditions declared on it so far, and picks one per call by the switch."""
     if tier not in TIERS:
         raise ValueError(f"contract tier {tier!r} must be one of {', '.join(TIERS)}")
 
@@ -86,8 +89,6 @@ def _declare(tier: str, make: Callable[[], Callable]) -> Callable[[Callable], Ca
 
         dispatch.__contract_bare__ = bare
         dispatch.__contract_tiers__ = tuple(declared)
-        # Every condition, for guard_like and tests that read what icontract would check.
-        dispatch.__postconditions__ = [*getattr(everything, "__postconditions__", []), *getattr(always, "__postconditions__", [])]
         return dispatch
 
     return add
