@@ -85,20 +85,17 @@ class LruQueue:
         return None
 
     def release(self, uncached: list[int], cached: list[int], values: Optional[Sequence[float]]) -> None:
-        push_back = self._list.push_back
-        for b in cached:
-            push_back(b)
+        if cached:
+            self._list.push_back(cached)
         if uncached:
             self._list.push_front(uncached)
 
     def take(self, blocks: list[int]) -> None:
-        unlink = self._list.unlink
-        for b in blocks:
-            unlink(b)
+        self._list.unlink(blocks)
 
     def requeue(self, block: int, value: float) -> None:
-        self._list.unlink(block)
-        self._list.push_back(block)
+        self._list.unlink([block])
+        self._list.push_back([block])
 
     def uncache(self, block: int) -> None:
         pass  # it keeps its place: lru orders by release, not by whether a block is keyed
@@ -156,13 +153,14 @@ class ComputeQueue:
     def uncache(self, block: int) -> None:
         self._live_seq[block] = -1
         self._num_live -= 1
-        self._uncached.push_back(block)
+        self._uncached.push_back([block])
 
     def forget_keys(self) -> None:
         live = self._live_seq
-        for _, b in sorted((live[b], b) for b in range(len(live)) if live[b] >= 0):  # in release order
+        cached = [b for _, b in sorted((live[b], b) for b in range(len(live)) if live[b] >= 0)]  # in release order
+        for b in cached:
             live[b] = -1
-            self._uncached.push_back(b)
+        self._uncached.push_back(cached)
         self._heap.clear()
         self._num_live = 0
 

@@ -40,18 +40,22 @@ class FreeList:
             before = b
         nxt[before], prv[first] = first, before
 
-    def push_back(self, block: int) -> None:
-        """Mutates. Link ``block`` after the last block (taken last)."""
+    def push_back(self, blocks: list[int]) -> None:
+        """Mutates. Link ``blocks`` in their order after the last block (taken last)."""
         nxt, prv, tail = self.next, self.prev, self.tail
         last = prv[tail]
-        nxt[last], prv[block], nxt[block], prv[tail] = block, last, tail, block
+        for b in blocks:
+            nxt[last], prv[b] = b, last
+            last = b
+        nxt[last], prv[tail] = tail, last
 
-    def unlink(self, block: int) -> None:
-        """Mutates. Take a linked ``block`` out of the list."""
+    def unlink(self, blocks: list[int]) -> None:
+        """Mutates. Take the linked ``blocks`` out of the list."""
         nxt, prv = self.next, self.prev
-        before, after = prv[block], nxt[block]
-        nxt[before], prv[after] = after, before
-        nxt[block] = prv[block] = -1
+        for b in blocks:
+            before, after = prv[b], nxt[b]
+            nxt[before], prv[after] = after, before
+            nxt[b] = prv[b] = -1
 
     def pop_front(self, n: int) -> list[int]:
         """Mutates. Unlink and return the first ``n`` blocks (fewer if the list is shorter),

@@ -140,7 +140,7 @@ def test_uncached_first_catches_a_cached_block_in_the_uncached_queue():
     (a,) = pool.allocate(1)
     pool.cache_full(a, ("k", a), 4)
     pool.free([a], [1.0])
-    pool._queue._uncached.push_back(a)  # corrupt: the cached block is also linked into the uncached queue
+    pool._queue._uncached.push_back([a])  # corrupt: the cached block is also linked into the uncached queue
     with pytest.raises(InvariantViolation, match="INV-EVICT-UNCACHED-FIRST"):
         pool._check()
     with pytest.raises(InvariantViolation, match="INV-EVICT-UNCACHED-FIRST"):
