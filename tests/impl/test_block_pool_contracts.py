@@ -242,18 +242,33 @@ def _give_a_block_a_prefix_key_longer_than_its_primary(pool):
     pool._index.holders[("q", 0)] = [1]
 
 
+def _list_a_block_twice_under_a_key_and_drop_another(pool):
+    """The counts still agree (k listed twice, p not at all): only the duplicate shows it."""
+    pool._index.holders[("k", 0)] = [1, 1]
+    del pool._index.holders[("p", 0)]
+
+
+def _give_a_block_a_prefix_key_of_no_tokens(pool):
+    pool._index.prefixes[1] = [(("q", 0), 0)]
+    pool._index.holders[("q", 0)] = [1]
+
+
 CORRUPTIONS = {
     "INV-POOL-CONSERVE": lambda pool: pool._ref.append(0),
     "INV-POOL-NULL": lambda pool: pool._ref.__setitem__(0, 1),
     "INV-POOL-REF-NONNEG": lambda pool: pool._ref.__setitem__(3, -1),
     "INV-POOL-FREE-IFF-UNREF": lambda pool: pool._ref.__setitem__(3, 0),
     "INV-POOL-FREE-IFF-UNREF (queue links)": lambda pool: pool._queue._list.next.__setitem__(pool._queue._list.head, 2),
+    "INV-POOL-FREE-IFF-UNREF (links of a held block)": lambda pool: pool._queue._list.prev.__setitem__(3, 4),
     "INV-POOL-CONSERVE (free counter)": lambda pool: setattr(pool, "_num_free", 2),
     "INV-POOL-KEY-CONSISTENT": lambda pool: pool._index.ntok.__setitem__(3, 7),
     "INV-POOL-KEY-LENGTH": lambda pool: (pool._index.holders[("k", 0)].append(3), pool._index.key.__setitem__(3, ("k", 0)),
                                           pool._index.ntok.__setitem__(3, 6)),
     "INV-POOL-KEY-CONSISTENT (a key lists a block that does not carry it)": _list_a_block_under_a_key_it_does_not_carry,
     "INV-POOL-PREFIX-KEYS": _give_a_block_a_prefix_key_longer_than_its_primary,
+    "INV-POOL-PREFIX-KEYS (a prefix of no tokens)": _give_a_block_a_prefix_key_of_no_tokens,
+    "INV-POOL-KEY-CONSISTENT (a key with no holder)": lambda pool: pool._index.holders.__setitem__(("ghost", 0), []),
+    "INV-POOL-KEY-CONSISTENT (a holder listed twice)": _list_a_block_twice_under_a_key_and_drop_another,
 }
 
 
@@ -275,6 +290,7 @@ def test_check_names_a_free_queue_that_runs_into_a_sentinel_or_the_null_block(ta
     queue.next[2] = bad
     with pytest.raises(InvariantViolation, match=re.escape(f"free queue reaches id {bad} after 2 blocks")):
         pool._check()
+    assert len(pool.free_order()) == pool.num_blocks  # the debugging walk stops after num_blocks steps
 
 
 def test_allocate_catches_a_referenced_block_in_the_free_queue_cheaply():

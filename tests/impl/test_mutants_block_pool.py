@@ -1,6 +1,6 @@
 """The block pool at edges tools/mutation.py found unreached (docs/testing.md, "Surviving
 mutants"): growth by more than two hash boundaries at once, bad block ids with the slow tier on,
-and a key named by two blocks refused at another length."""
+a key named by two blocks refused at another length, and a key of one token."""
 
 from __future__ import annotations
 
@@ -87,3 +87,20 @@ def test_a_key_whose_oldest_holder_keeps_it_as_a_prefix_key_is_named_with_its_ow
                                                    "(block 1), not 2 tokens")):
         call(pool)
     assert pool.keys_of(3) == ()
+
+
+@pytest.mark.parametrize("verb", ["cache_full", "extend_full", "cache_partial", "extend_partial", "replace_key"])
+def test_every_keying_verb_takes_a_key_of_one_token(verb):
+    """The shortest prefix a key can name (H = 1): one token is a length, not a bad input."""
+    pool = BlockPool(3)
+    (b,) = pool.allocate(1)
+    assert getattr(pool, verb)(b, ("k1", 0), 1) is True
+    assert pool.keys_of(b) == ((("k1", 0), 1),)
+
+
+def test_a_prefix_key_of_one_token_is_well_formed():
+    pool = BlockPool(3)
+    (b,) = pool.allocate(1)
+    pool.extend_partial(b, ("k1", 0), 1)
+    pool.extend_full(b, ("k2", 0), 2)
+    assert pool.keys_of(b) == ((("k2", 0), 2), (("k1", 0), 1)) and pool._check()
