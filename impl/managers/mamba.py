@@ -242,10 +242,8 @@ class MambaManager(SingleTypeManager):
     def idle_until(self, request: Request, num_computed: int) -> int:
         """Until the state leaves its block or reaches a hash boundary (where ``_keeps`` may
         key it); never while the state block is cached (the next step writes it in place and
-        must copy it first) or a copy or a release is pending."""
+        must copy it first). Asked after ``release``, so no copy or release is pending."""
         state = self.requests[request.request_id]
-        if state.pending_move is not None or state.superseded >= 0:
-            return num_computed
         index = state.state_index
         if self.pool.key_of(state.row[index]) is not None:
             return num_computed
