@@ -83,6 +83,7 @@ def _every_key_kept(OLD, self: "BlockPool", block: int, result) -> bool:
 
 
 def _refusal_changes_nothing(OLD, self: "BlockPool", block: int, result) -> bool:
+    """A refused partial key (None) left the block's keys as they were."""
     return result is not None or self.keys_of(block) == OLD.keys
 
 

@@ -72,10 +72,6 @@ TESTS = {
     "impl/block_pool.py": ("tests/spec/test_mutants.py", "tests/impl/test_mutants_block_pool.py", "tests/impl/test_block_pool.py",
                            "tests/impl/test_block_pool_contracts.py", "tests/impl/test_eviction.py",
                            "tests/impl/test_block_pool_machine.py"),
-    # the pool's parts (impl/block_pool.py composes them): judged by the pool's tests
-    "impl/free_list.py": (),
-    "impl/key_index.py": (),
-    "impl/eviction_queue.py": (),
     "spec/chunk_split.py": ("tests/spec/test_chunk_split.py", "tests/spec/test_mutants.py"),
     "spec/capacity.py": ("tests/spec/test_capacity.py", "tests/spec/test_mutants.py"),
     "spec/retention.py": ("tests/impl/test_retention.py", "tests/spec/test_mutants.py"),
@@ -91,7 +87,7 @@ SCHEDULER_TESTS = ("tests/impl/test_mutants_coordinator.py", "tests/impl/test_mu
                    "tests/impl/test_coordinator_scenarios.py", "tests/impl/test_admission.py", "tests/impl/test_retention.py",
                    "tests/impl/test_oracle_teeth.py", "tests/impl/test_idle_steps.py", "tests/impl/test_coordinator_machine.py")
 for _module in ("impl/free_list.py", "impl/key_index.py", "impl/eviction_queue.py"):
-    TESTS[_module] = TESTS["impl/block_pool.py"]
+    TESTS[_module] = TESTS["impl/block_pool.py"]  # the pool's parts: judged by the pool's tests
 for _module in ("impl/coordinator.py", "impl/managers/base.py", "impl/managers/full_attention.py", "impl/managers/mamba.py",
                 "impl/managers/sliding_window.py"):
     TESTS[_module] = SCHEDULER_TESTS
