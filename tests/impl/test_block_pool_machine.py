@@ -71,6 +71,7 @@ def _pool_verb(pool: BlockPool, full: bool, keep: bool, replace: bool):
         return pool.extend_full if keep else pool.cache_full
     return pool.extend_partial if keep else pool.cache_partial
 
+
 tokens_strategy = st.lists(st.integers(0, 2), min_size=H, max_size=4 * H).map(lambda t: tuple(t[: len(t) - len(t) % H]))
 
 
