@@ -155,6 +155,8 @@ _INSTALLED = textwrap.dedent("""
         distributed_executor_backend="kvproof.integrations.vllm.cpu_executor.CpuStagingExecutor"))
     core = engine.engine_core.engine_core
     report["checker"] = hasattr(core.scheduler.kv_cache_manager, "_kvproof_checker")
+    report["manager"] = type(core.scheduler.kv_cache_manager).__name__
+    report["hits"] = {}
     requests, step = [("r0", 11, 1), ("r2", 17, 1), ("r1", 13, 2)], 0
     try:
         while requests or engine.has_unfinished_requests():
@@ -162,7 +164,9 @@ _INSTALLED = textwrap.dedent("""
             for rid, n, arrival in [r for r in requests if r[2] <= step]:
                 engine.add_request(rid, {"prompt_token_ids": [0] * n}, SamplingParams(max_tokens=1, ignore_eos=True))
                 requests.remove((rid, n, arrival))
-            engine.step()
+            for out in engine.step():
+                if out.finished:
+                    report["hits"][out.request_id] = out.num_cached_tokens
     except InvariantViolation as e:
         report["violation"] = str(e)
     engine.engine_core.shutdown()
@@ -171,7 +175,8 @@ _INSTALLED = textwrap.dedent("""
 
 
 def _run_fresh(script, **env):
-    environment = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "KVPROOF_CONTRACTS")}
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("VLLM_PLUGINS", "KVPROOF_CONTRACTS", "KVPROOF_MANAGER", "KVPROOF_OPTIONS")}
     environment.update(VLLM_TARGET_DEVICE="cpu", VLLM_ENABLE_V1_MULTIPROCESSING="0", **env)
     done = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
@@ -200,6 +205,35 @@ def test_without_the_switch_the_installed_plugin_changes_nothing():
     assert not report["installed"] and not report["scheduler"] and not report["tables"] and not report["checker"]
     assert not report["slots"]
     assert report["violation"].startswith("INV-COW-SOURCE-READY: step 4: copy 5 -> 7 writes block 7, which another copy")
+
+
+@pytest.mark.parametrize("contracts", [None, "slow"])
+def test_kvproof_manager_serves_the_same_run_without_vllms_copy_hazard(contracts):
+    """KVPROOF_MANAGER=kvproof: the engine's Scheduler builds kvproof's manager, and the run on
+    which vLLM's manager copies a block not yet written (above) completes, every copy batch
+    checked by the staging executor, every request served (with the worker-side checks on top
+    under KVPROOF_CONTRACTS)."""
+    env = {"KVPROOF_MANAGER": "kvproof"} | ({"KVPROOF_CONTRACTS": contracts} if contracts else {})
+    report = _run_fresh(_INSTALLED, **env)
+    assert report["installed"] and report["manager"] == "KvproofKVCacheManager" and not report["checker"]
+    assert "violation" not in report and report["status"] == 0, report["last"]
+    assert sorted(report["hits"]) == ["r0", "r1", "r2"] and report["hits"]["r1"] == 8  # r0's first 8 tokens
+    assert report["tables"] == report["copies"] == (contracts is not None)
+
+
+@pytest.mark.parametrize("name, value, error", [
+    ("KVPROOF_MANAGER", "sglang", "KVPROOF_MANAGER='sglang'; expected one of vllm, kvproof"),
+    ("KVPROOF_OPTIONS", "eviction=fifo", "KVPROOF_OPTIONS: eviction='fifo' must be one of lru, compute"),
+])
+def test_bad_manager_switches_fail_at_register_and_change_nothing(monkeypatch, name, value, error):
+    from vllm.v1.core.sched import scheduler as scheduler_module
+
+    monkeypatch.setenv("KVPROOF_MANAGER", "kvproof")
+    monkeypatch.setenv(name, value)
+    init, manager = Scheduler.__init__, scheduler_module.KVCacheManager
+    with pytest.raises(ValueError, match=error):
+        plugin.register()
+    assert Scheduler.__init__ is init and scheduler_module.KVCacheManager is manager and not plugin.installed()
 
 
 _UNTESTED = textwrap.dedent("""
