@@ -299,3 +299,13 @@ class KVCacheManager:
         """Mutates if it succeeds. Drop every key; False with nothing changed while any block is
         held (a request's, or a source kept for the last step's copies until ``begin_step``)."""
         return self.pool.reset()
+
+    def evict(self, block_ids) -> int:
+        """Mutates. Drop the keys of the listed blocks (a host found their contents invalid);
+        returns how many keys were dropped. An id out of range raises ValueError, nothing changed."""
+        return self.pool.evict(sorted(block_ids))
+
+    def cached_block(self, block_hash: bytes, group_id: int) -> Optional[int]:
+        """The block a hit on the prefix named by ``block_hash`` (one of a request's block
+        hashes) returns in a group, or None. No state change."""
+        return self.pool.lookup((block_hash, group_id))
