@@ -25,10 +25,17 @@ adapter hands them a view of vLLM's request (``_RequestView``) whose hashes are 
 (``request.block_hashes``, at the ``hash_block_size`` the Scheduler passes, with vLLM's cache
 salt, LoRA and multimodal extra keys already in them), so kvproof's hash unit is vLLM's.
 
-What it does not serve is refused, naming the argument: KV connectors (external tokens, delayed
-caching, reserved blocks, skipped zeroing, and the connector-only methods), encoder tokens
-(cross-attention), hash lookahead tokens, KV-cache events and block-residency metrics. Block
-objects in the ``KVCacheBlocks`` it returns carry ``block_id`` and ``is_null`` only.
+KV connectors. Tokens a connector writes (``num_external_computed_tokens``) get slots like
+computed ones but are keyed only once vLLM says they are written: its ``cache_blocks`` call after
+an async load (``delay_cache_blocks``) or after the step, or, for a load within a step, the first
+keying with no step of the request in flight. Deferred frees (``pop_blocks_for_free``) and
+per-group divergent hits (``get_computed_blocks_for_connector``) are refused, as are the
+connectors' use of vLLM's block-pool API beyond ``get_num_free_blocks``, ``get_cached_block`` and
+``hash_block_size``.
+
+Also refused, naming the argument: encoder tokens (cross-attention), hash lookahead tokens,
+KV-cache events and block-residency metrics. Block objects in the ``KVCacheBlocks`` it returns
+carry ``block_id`` and ``is_null`` only.
 """
 
 from __future__ import annotations
@@ -75,13 +82,16 @@ class _RequestView:
     """A vLLM request as kvproof's managers read it. ``num_computed_tokens`` is the adapter's:
     set before each facade call (written tokens when keying, computed ones when allocating)."""
 
-    __slots__ = ("request", "request_id", "num_computed_tokens", "num_cached_tokens", "_hash_block_size")
+    __slots__ = ("request", "request_id", "num_computed_tokens", "num_cached_tokens", "external", "_hash_block_size")
 
     def __init__(self, request, hash_block_size: int) -> None:
         self.request = request
         self.request_id = request.request_id
         self.num_computed_tokens = 0
         self.num_cached_tokens = None
+        #: Tokens a KV connector writes, not yet known to be written: ``(hit, delayed)``, keys stay
+        #: at or below the hit until then (see ``KvproofKVCacheManager._key_written``).
+        self.external: Optional[tuple[int, bool]] = None
         self._hash_block_size = hash_block_size
 
     @property
@@ -102,36 +112,50 @@ class _RequestView:
 
 
 class _GroupSurface:
-    """``coordinator.single_type_managers[g]``: what the Scheduler and engine read of a group."""
+    """``coordinator.single_type_managers[g]``: what the Scheduler and engine read of a group,
+    and the cached-block lookup vLLM's auxiliary-output connector makes through ``block_pool``."""
 
-    __slots__ = ("block_size", "kv_cache_spec")
+    __slots__ = ("block_size", "kv_cache_spec", "block_pool")
 
-    def __init__(self, block_size: int, kv_cache_spec) -> None:
+    def __init__(self, block_size: int, kv_cache_spec, block_pool: "_BlockPoolSurface") -> None:
         self.block_size = block_size
         self.kv_cache_spec = kv_cache_spec
+        self.block_pool = block_pool
 
 
 class _CoordinatorSurface:
     """``coordinator``: the groups, and whether hits may end inside a block."""
 
-    def __init__(self, groups: tuple[_GroupSurface, ...], enable_partial_hash_hits: bool) -> None:
+    def __init__(self, groups: tuple[_GroupSurface, ...], enable_partial_hash_hits: bool, blocks_needed) -> None:
         self.single_type_managers = groups
         self.enable_partial_hash_hits = enable_partial_hash_hits
+        self._blocks_needed = blocks_needed
 
-    def get_num_blocks_to_allocate(self, **kwargs):
-        _refuse_connector("coordinator.get_num_blocks_to_allocate")
+    def get_num_blocks_to_allocate(self, *, request_id: str, num_tokens: int, **ignored) -> int:
+        """Blocks a running request still needs to reach ``num_tokens`` (the Scheduler asks for
+        in-flight prefills when an async KV load reserves blocks for them); the other keywords
+        describe a hit, which a running request no longer takes."""
+        return self._blocks_needed(request_id, num_tokens)
 
 
 class _BlockPoolSurface:
     """``block_pool``: the Scheduler returns copy-on-write retentions through ``free_blocks``;
     kvproof keeps its own until the next step (``KVCacheManager.begin_step``) and hands none out.
-    ``get_num_free_blocks``: what tests (and operators' tools) read of vLLM's pool."""
+    ``get_num_free_blocks``, ``get_cached_block`` and ``hash_block_size``: what connectors and
+    tests read of vLLM's pool."""
 
-    def __init__(self, manager: KVCacheManager) -> None:
+    def __init__(self, manager: KVCacheManager, blocks: list[KvproofBlock]) -> None:
         self._manager = manager
+        self._blocks = blocks
+        self.hash_block_size = manager.hash_block_size
 
     def get_num_free_blocks(self) -> int:
         return self._manager.num_free_blocks
+
+    def get_cached_block(self, block_hash, kv_cache_group_ids) -> Optional[list]:
+        """The block cached under ``block_hash`` in each group, or None if a group has none."""
+        found = [self._manager.cached_block(block_hash, g) for g in kv_cache_group_ids]
+        return None if None in found else [self._blocks[b] for b in found]
 
     def free_blocks(self, blocks) -> None:
         blocks = list(blocks)
@@ -173,6 +197,11 @@ class KvproofKVCacheManager:
         enable_mamba_shared_prefix_checkpoint: bool = False,
         options: Optional[serving_options.ServingOptions] = None,
     ) -> None:
+        # max_in_flight_tokens sizes vLLM's sliding-window admission cap (blocks recycled while
+        # a prefill runs); kvproof's admission counts what its own allocation takes, so it is
+        # not needed. num_prefill_lookahead above 1 re-prefills an MTP tail kvproof does not model.
+        if num_prefill_lookahead > 1:
+            _refuse("num_prefill_lookahead", num_prefill_lookahead)
         for argument, value, served in (
             ("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0),
             ("enable_kv_cache_events", enable_kv_cache_events, False),
@@ -205,13 +234,15 @@ class KvproofKVCacheManager:
         self._watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self._blocks = [KvproofBlock(i) for i in range(kv_cache_config.num_blocks)]
         specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+        self.block_pool = _BlockPoolSurface(self.manager, self._blocks)
         self.coordinator = _CoordinatorSurface(
-            tuple(_GroupSurface(g.effective_block_size, spec) for g, spec in zip(layout.groups, specs)),
+            tuple(_GroupSurface(g.effective_block_size, spec, self.block_pool) for g, spec in zip(layout.groups, specs)),
             layout.partial_hash_hits,
+            self._blocks_needed,
         )
-        self.block_pool = _BlockPoolSurface(self.manager)
         self.mamba_shared_prefix_checkpoint = self.manager.exact_junction
-        self._zeroed_groups = tuple(i for i, spec in enumerate(specs) if not isinstance(spec, MambaSpec))
+        #: The groups whose new blocks the worker zeroes and whose rows cover token positions.
+        self._attention_groups = tuple(i for i, spec in enumerate(specs) if not isinstance(spec, MambaSpec))
         self._new_block_ids: list[int] = []
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in specs))
         self._views: dict[str, _RequestView] = {}
@@ -235,13 +266,27 @@ class KvproofKVCacheManager:
             self._key_written(view)
         self.manager.begin_step()
 
-    def _key_written(self, view: _RequestView, written: Optional[int] = None) -> None:
+    def _key_written(self, view: _RequestView, written: Optional[int] = None, final: bool = False) -> None:
+        """Key ``written`` tokens (default: the request's computed minus in-flight ones).
+        Tokens a connector loads count as written once vLLM says so (``final``: its
+        ``cache_blocks`` call after the step or the async load), or, for a load within a
+        step, once no step of the request is in flight."""
         request = view.request
         if written is None:
             written = request.num_computed_tokens - request.num_in_flight_tokens
+        if view.external is not None:
+            hit, delayed = view.external
+            if final or (not delayed and request.num_in_flight_tokens == 0):
+                view.external = None
+            else:
+                written = min(written, hit)
         view.num_computed_tokens = max(0, min(written, request.num_tokens))
         self.manager.cache(view)
         self._allocated.pop(view.request_id, None)
+
+    def _blocks_needed(self, request_id: str, num_tokens: int) -> int:
+        view = self._views.get(request_id)
+        return 0 if view is None else self.manager.blocks_needed(view, num_tokens)
 
     def _view(self, request) -> _RequestView:
         view = self._views.get(request.request_id)
@@ -300,34 +345,38 @@ class KvproofKVCacheManager:
         leaves the watermark free, and with ``full_sequence_must_fit`` needs room for its whole
         known sequence). Returns the block ids the worker appends per group (an admitted
         request's whole row). Keys nothing: see the module docstring."""
-        for argument, value, served in (
-            ("num_external_computed_tokens", num_external_computed_tokens, 0),
-            ("delay_cache_blocks", delay_cache_blocks, False),
-            ("num_encoder_tokens", num_encoder_tokens, 0),
-            ("reserved_blocks", reserved_blocks, 0),
-            ("skip_zeroing_group_ids", tuple(skip_zeroing_group_ids), ()),
-        ):
-            if value != served:
-                _refuse(argument, value)
-        if num_new_tokens == 0 and num_new_computed_tokens == 0:
+        if num_encoder_tokens:
+            _refuse("num_encoder_tokens", num_encoder_tokens)
+        if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0 when there are no computed tokens to adopt")
-        if num_new_tokens == 0:
-            _refuse("num_new_tokens (a step adopting a hit with no slot of its own)", num_new_tokens)
         view = self._view(request)
+        if view.request_id in self._allocated:
+            # A second allocation in one step (vLLM's manager allows it): keying what is written
+            # settles kvproof's step protocol for the first.
+            self._key_written(view)
         running = self.manager.is_running(view)
         hit = self._hit_of(request, num_new_computed_tokens, new_computed_blocks, running)
         start = request.num_computed_tokens if running else hit.num_tokens
         view.num_computed_tokens = start
-        slots = min(start + num_new_tokens + num_lookahead_tokens, self.max_model_len) - start
-        if not running and not self._admissible(view, request, hit, start + slots, full_sequence_must_fit, has_scheduled_reqs):
+        slots = min(start + num_external_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len) - start
+        if slots <= 0:
+            _refuse("num_new_tokens (a step adopting a hit with no slot of its own)", num_new_tokens)
+        if not self._admissible(view, request, hit, start + slots, running, full_sequence_must_fit,
+                                has_scheduled_reqs, reserved_blocks):
             return None
         rows = self.manager.reserve_slots(view, slots, None if running else hit)
         if rows is None:
             return None
         self._allocated[view.request_id] = view
+        if num_external_computed_tokens:
+            view.external = (start, delay_cache_blocks)
         new = rows if running else tuple(row[len(bl):] for row, bl in zip(rows, hit.blocks))
-        for g in self._zeroed_groups:
-            self._new_block_ids.extend(b for b in new[g] if b)
+        loaded_end = start + num_external_computed_tokens  # a load writes these: not zeroed under it
+        for g in self._attention_groups:
+            first = len(hit.blocks[g]) if not running else 0
+            skip_below = loaded_end if g in skip_zeroing_group_ids else 0
+            size = self.coordinator.single_type_managers[g].block_size
+            self._new_block_ids.extend(b for j, b in enumerate(new[g], start=first) if b and j * size >= skip_below)
         if not any(rows):
             return self.empty_kv_cache_blocks
         return KVCacheBlocks(tuple([self._blocks[b] for b in row] for row in rows))
@@ -345,12 +394,15 @@ class KvproofKVCacheManager:
             raise ValueError(f"request {request.request_id!r} is running; a running request takes no hit")
         return hit
 
-    def _admissible(self, view, request, hit: Hit, total: int, full_sequence_must_fit: bool, has_scheduled_reqs: bool) -> bool:
-        """vLLM's admission gates for a waiting request: the watermark (only when some request
-        is already scheduled this step) and, optionally, room for the whole known sequence."""
-        reserve = self._watermark_blocks if has_scheduled_reqs else 0
+    def _admissible(self, view, request, hit: Hit, total: int, running: bool, full_sequence_must_fit: bool,
+                    has_scheduled_reqs: bool, reserved_blocks: int) -> bool:
+        """vLLM's gates: ``reserved_blocks`` stay free for in-flight prefills; a waiting request
+        also leaves the watermark (when some request is already scheduled this step) and,
+        optionally, needs room for its whole known sequence."""
+        reserve = reserved_blocks + (self._watermark_blocks if has_scheduled_reqs and not running else 0)
         free = self.manager.num_free_blocks
-        if full_sequence_must_fit:
+        hit = None if running else hit
+        if full_sequence_must_fit and not running:
             whole = min(request.num_tokens, self.max_model_len)
             if self.manager.blocks_needed(view, whole, hit) + reserve > free:
                 return False
@@ -363,7 +415,7 @@ class KvproofKVCacheManager:
         ``num_computed_tokens - num_in_flight_tokens``). A no-op when caching is off."""
         view = self._views.get(request.request_id)
         if self.enable_caching and view is not None and self.manager.is_running(view):
-            self._key_written(view, num_computed_tokens)
+            self._key_written(view, num_computed_tokens, final=True)
 
     def free(self, request) -> None:
         """Key what the request has written, then release its blocks (finished or preempted)."""
@@ -377,20 +429,40 @@ class KvproofKVCacheManager:
     def pop_blocks_for_free(self, request):
         _refuse_connector("pop_blocks_for_free (deferred frees)")
 
-    def remove_skipped_blocks(self, request_id, processed_computed_tokens, num_prompt_tokens=None):
-        _refuse_connector("remove_skipped_blocks")
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int, num_prompt_tokens=None) -> None:
+        """Release blocks the request no longer needs (outside a sliding window): kvproof does
+        that when it keys, so this keys the processed tokens."""
+        view = self._views.get(request_id)
+        if view is not None and self.manager.is_running(view):
+            self._key_written(view, processed_computed_tokens)
 
-    def record_blocks_for_zeroing(self, request_id, start_token):
-        _refuse_connector("record_blocks_for_zeroing (failed KV loads)")
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """Zero the request's blocks from ``start_token`` (block-aligned) again: a failed async
+        load left them unwritten."""
+        for g, row in enumerate(self.get_block_ids(request_id)):
+            if g in self._attention_groups:
+                size = self.coordinator.single_type_managers[g].block_size
+                if start_token % size:
+                    raise ValueError(f"record_blocks_for_zeroing: start {start_token} is not a multiple of group {g}'s block size {size}")
+                self._new_block_ids.extend(b for b in row[start_token // size:] if b)
 
-    def evict_blocks(self, block_ids):
-        _refuse_connector("evict_blocks (failed KV loads)")
+    def evict_blocks(self, block_ids) -> None:
+        """Drop the keys of blocks whose contents a failed load left invalid."""
+        self.manager.evict(block_ids)
 
-    def finalize_partial_tail_offloads(self, request):
-        _refuse_connector("finalize_partial_tail_offloads")
+    def finalize_partial_tail_offloads(self, request) -> list:
+        """Nothing without Mamba groups (vLLM offloads only Mamba boundary states); refused with
+        them."""
+        if len(self._attention_groups) < len(self.coordinator.single_type_managers):
+            _refuse_connector("finalize_partial_tail_offloads (Mamba boundary states)")
+        return []
 
-    def get_block_ids_for_computed_tokens(self, request_id, num_computed_tokens):
-        _refuse_connector("get_block_ids_for_computed_tokens")
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
+        """``get_block_ids`` with the attention groups cut to the blocks covering the computed
+        tokens."""
+        managers = self.coordinator.single_type_managers
+        return tuple(row[:-(-num_computed_tokens // managers[g].block_size)] if g in self._attention_groups else row
+                     for g, row in enumerate(self.get_block_ids(request_id)))
 
     # --- what the Scheduler drains each step ------------------------------------------------------
 

@@ -9,7 +9,8 @@ so installing kvproof changes nothing in production.
 ``KVPROOF_MANAGER=kvproof`` (``vllm`` or unset: vLLM's own) binds the name vLLM's Scheduler
 builds its manager with to kvproof's (``kvproof_manager.KvproofKVCacheManager``), after
 validating ``KVPROOF_OPTIONS`` (``serving_options``); a Scheduler with a KV connector
-(``--kv-transfer-config``) is refused at construction, naming it. With it, ``KVPROOF_CONTRACTS``
+(``--kv-transfer-config``: real connectors call vLLM's block-pool API) or an async Scheduler over
+Mamba groups is refused at construction with one line saying what to change. With it, ``KVPROOF_CONTRACTS``
 keeps its worker-side checks below; on the scheduler side kvproof's manager runs its own
 contracts (cheap always; ``slow`` turns on the slow tier, ``spec.contracts.set_slow``) in place
 of the checks of vLLM's manager, which read vLLM's internals.
@@ -140,6 +141,22 @@ def _install_scheduler_side() -> None:
     Scheduler.__init__ = __init__
 
 
+def serving_refusal(scheduler_cls: type, vllm_config, kv_cache_config) -> Optional[str]:
+    """Why kvproof's manager cannot serve a Scheduler of this class and configuration (one line,
+    saying what to change), or None. Pure."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    if vllm_config.kv_transfer_config is not None:
+        refusal = "does not serve KV connectors (--kv-transfer-config is set):"
+    elif issubclass(scheduler_cls, AsyncScheduler) and kv_cache_config.has_mamba_layers:
+        # Keys follow the step's output; by then the next step may be overwriting the Mamba
+        # state block a key would name.
+        refusal = "keys Mamba states only with synchronous scheduling: add --no-async-scheduling, or"
+    else:
+        return None
+    return f"kvproof's manager {refusal} unset KVPROOF_MANAGER to serve with vLLM's manager"
+
+
 def _install_kvproof_manager(slow: bool) -> None:
     from vllm.v1.core.sched import scheduler as scheduler_module
 
@@ -149,13 +166,12 @@ def _install_kvproof_manager(slow: bool) -> None:
     Scheduler = scheduler_module.Scheduler
     original = Scheduler.__init__
 
-    def __init__(self, vllm_config, *args, **kwargs):
-        if vllm_config.kv_transfer_config is not None:
-            message = ("kvproof's manager does not serve KV connectors (--kv-transfer-config is set): unset "
-                       "KVPROOF_MANAGER to serve with vLLM's manager")
+    def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
+        message = serving_refusal(type(self), vllm_config, kv_cache_config)
+        if message is not None:
             stop_report.record(message)
             raise ValueError(message)
-        original(self, vllm_config, *args, **kwargs)
+        original(self, vllm_config, kv_cache_config, *args, **kwargs)
         logger.info("kvproof's KV-cache manager serves this engine (%s)", self.kv_cache_manager.options)
 
     def build(*args, **kwargs):

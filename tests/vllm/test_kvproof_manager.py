@@ -137,18 +137,29 @@ def test_prefix_cache_stats_count_queries_and_hits_as_vllm_does():
 
 # --- refusals ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("keyword,value", [
-    ("num_external_computed_tokens", 16), ("delay_cache_blocks", True), ("num_encoder_tokens", 8),
-    ("reserved_blocks", 2), ("skip_zeroing_group_ids", (0,)),
-])
-def test_allocate_slots_refuses_what_it_does_not_serve_and_changes_nothing(keyword, value):
+def test_allocate_slots_refuses_encoder_tokens_and_changes_nothing():
     manager = manager_for(ATTENTION)
     request = vllm_request("r", range(40))
     free = manager.block_pool.get_num_free_blocks()
-    with pytest.raises(NotImplementedError, match=re.escape(f"{keyword}={value!r}")):
-        manager.allocate_slots(request, 40, **{keyword: value})
+    with pytest.raises(NotImplementedError, match=re.escape("num_encoder_tokens=8")):
+        manager.allocate_slots(request, 40, num_encoder_tokens=8)
     assert manager.block_pool.get_num_free_blocks() == free and manager.get_block_ids("r") == ([],)
     assert manager.allocate_slots(request, 40) is not None  # control: the same call without it
+
+
+@pytest.mark.parametrize("delayed", [True, False], ids=["async-load", "load-in-step"])
+def test_connector_tokens_are_keyed_only_once_vllm_says_they_are_written(delayed):
+    manager = manager_for(ATTENTION)
+    loaded = vllm_request("loaded", range(64))
+    assert manager.allocate_slots(loaded, 0 if delayed else 16, num_external_computed_tokens=48,
+                                  delay_cache_blocks=delayed) is not None
+    assert len(manager.get_block_ids("loaded")[0]) == (3 if delayed else 4)
+    loaded.num_computed_tokens, loaded.num_in_flight_tokens = (48, 0) if delayed else (64, 16)
+    manager.new_step_starts()
+    sibling = vllm_request("sibling", range(64))
+    assert manager.get_computed_blocks(sibling)[1] == 0  # the load is not known to be done
+    manager.cache_blocks(loaded, 48)  # vLLM: the load (or the step) is done
+    assert manager.get_computed_blocks(sibling)[1] == 48
 
 
 @pytest.mark.parametrize("keyword,value", [

@@ -236,6 +236,26 @@ def test_bad_manager_switches_fail_at_register_and_change_nothing(monkeypatch, n
     assert Scheduler.__init__ is init and scheduler_module.KVCacheManager is manager and not plugin.installed()
 
 
+def test_kvproofs_manager_refuses_connectors_and_async_mamba_naming_the_change():
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from kvproof.integrations.vllm.kv_specs import kv_cache_config_for
+    from kvproof.spec.groups import CacheGroup, GroupKind
+    from kvproof.spec.layout import LayoutConfig, resolve_layout
+
+    def config(*kinds):
+        return kv_cache_config_for(resolve_layout(LayoutConfig(tuple(CacheGroup(k, 16) for k in kinds))), 64)
+
+    plain, connector = SimpleNamespace(kv_transfer_config=None), SimpleNamespace(kv_transfer_config=object())
+    hybrid, attention = config(GroupKind.FULL_ATTENTION, GroupKind.MAMBA), config(GroupKind.FULL_ATTENTION)
+    assert "--kv-transfer-config" in plugin.serving_refusal(Scheduler, connector, attention)
+    assert "--no-async-scheduling" in plugin.serving_refusal(AsyncScheduler, plain, hybrid)
+    assert plugin.serving_refusal(Scheduler, plain, hybrid) is None  # controls
+    assert plugin.serving_refusal(AsyncScheduler, plain, attention) is None
+
+
 _UNTESTED = textwrap.dedent("""
     import vllm
     vllm.__version__ = "0.34.0"
