@@ -40,6 +40,7 @@ carry ``block_id`` and ``is_null`` only.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -82,7 +83,8 @@ class _RequestView:
     """A vLLM request as kvproof's managers read it. ``num_computed_tokens`` is the adapter's:
     set before each facade call (written tokens when keying, computed ones when allocating)."""
 
-    __slots__ = ("request", "request_id", "num_computed_tokens", "num_cached_tokens", "external", "_hash_block_size")
+    __slots__ = ("request", "request_id", "num_computed_tokens", "num_cached_tokens", "external", "allocated_to",
+                 "_hash_block_size")
 
     def __init__(self, request, hash_block_size: int) -> None:
         self.request = request
@@ -92,6 +94,8 @@ class _RequestView:
         #: Tokens a KV connector writes, not yet known to be written: ``(hit, delayed)``, keys stay
         #: at or below the hit until then (see ``KvproofKVCacheManager._key_written``).
         self.external: Optional[tuple[int, bool]] = None
+        #: Known tokens the request's latest allocation computes (a same-step sharer's reach).
+        self.allocated_to = 0
         self._hash_block_size = hash_block_size
 
     @property
@@ -161,6 +165,19 @@ class _BlockPoolSurface:
         blocks = list(blocks)
         if blocks:
             raise ValueError(f"kvproof's manager hands out no blocks to free; got {blocks[:4]!r}")
+
+
+def _common_prefix(hashes, others) -> int:
+    """How many leading block hashes two requests share (chained hashes: equal at i means equal
+    below i, so a binary search finds it)."""
+    low, high = 0, min(len(hashes), len(others))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if hashes[mid - 1] == others[mid - 1]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def _refuse_connector(what: str):
@@ -243,6 +260,7 @@ class KvproofKVCacheManager:
         self.mamba_shared_prefix_checkpoint = self.manager.exact_junction
         #: The groups whose new blocks the worker zeroes and whose rows cover token positions.
         self._attention_groups = tuple(i for i, spec in enumerate(specs) if not isinstance(spec, MambaSpec))
+        self._has_mamba = len(self._attention_groups) < len(specs)
         self._new_block_ids: list[int] = []
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in specs))
         self._views: dict[str, _RequestView] = {}
@@ -302,12 +320,32 @@ class KvproofKVCacheManager:
         cached content beyond it (the first of the hit's junctions; 0 if none). No state change."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0, 0
-        hit = self.manager.lookup(self._view(request), bound=max_cache_hit_length)
+        view = self._view(request)
+        hit = self.manager.lookup(view, bound=max_cache_hit_length)
+        if self._has_mamba:
+            hit = self._with_same_step_junction(view, hit, max_cache_hit_length)
         if not hit.num_tokens and not hit.junctions:
             return self.empty_kv_cache_blocks, 0, 0
         # A miss with junctions still travels to allocate_slots: retention keeps the states there.
         blocks = _HitBlocks(tuple([self._blocks[b] for b in ids] for ids in hit.blocks), hit)
         return blocks, hit.num_tokens, (hit.junctions[0] if hit.junctions else 0)
+
+    def _with_same_step_junction(self, view: _RequestView, hit: Hit, bound: Optional[int]) -> Hit:
+        """``hit`` with one more junction where ``view`` branches off a prefix another request
+        computes in this step. vLLM sees such a prefix at once (it keys at allocation) and stops
+        the sharer's chunk there, so the Mamba state at the junction is kept for the next
+        sharer; kvproof keys it only after the step, so the junction is found from the hashes."""
+        limit = view.num_tokens - 1 if bound is None else min(bound, view.num_tokens - 1)
+        shared = 0
+        for other in self._allocated.values():
+            if other.request_id != view.request_id:
+                common = _common_prefix(view.block_hashes, other.block_hashes) * self._hash_block_size
+                shared = max(shared, min(common, other.allocated_to))
+        shared = min(shared, limit)
+        shared -= shared % self.manager.alignment
+        if shared <= max((hit.num_tokens, *hit.junctions)):
+            return hit
+        return dataclasses.replace(hit, junctions=tuple(sorted((*hit.junctions, shared))))
 
     def get_computed_blocks_for_connector(self, request, max_cache_hit_length=None):
         _refuse_connector("get_computed_blocks_for_connector")
@@ -368,6 +406,7 @@ class KvproofKVCacheManager:
         if rows is None:
             return None
         self._allocated[view.request_id] = view
+        view.allocated_to = min(start + slots, request.num_tokens)
         if num_external_computed_tokens:
             view.external = (start, delay_cache_blocks)
         new = rows if running else tuple(row[len(bl):] for row, bl in zip(rows, hit.blocks))

@@ -97,6 +97,20 @@ def test_multi_turn_chats_hit_at_least_as_much_as_vllm_and_free_every_block(grou
     assert manager.usage == 0.0 and manager.block_pool.get_num_free_blocks() == 63
 
 
+def test_a_prefix_shared_within_one_step_is_a_junction_as_in_vllm():
+    """A and B share 64 tokens and arrive together: vLLM sees A's keys at once and stops B's
+    chunk at 64, so the Mamba state there serves C; kvproof keys A after the step and finds the
+    junction from the hashes, giving the same chunks and C's hit (without it: B runs to 80, C 0)."""
+    shared = tuple(range(64))
+    trace = [TraceRequest("A", shared + tuple(range(100, 140)), (1,), arrival=1),
+             TraceRequest("B", shared + tuple(range(200, 230)), (2,), arrival=1),
+             TraceRequest("C", shared + tuple(range(300, 320)), (3,), arrival=10)]
+    stock = harness(HYBRID, manager_class=None, budget=512).run(trace)
+    ours = harness(HYBRID, budget=512).run(trace)
+    assert ours.num_cached_tokens == stock.num_cached_tokens == {"A": 0, "B": 0, "C": 64}
+    assert [s.chunks for s in ours.steps] == [s.chunks for s in stock.steps]
+
+
 def test_preempted_requests_are_freed_and_finish():
     trace = [TraceRequest(f"r{i}", tuple(range(100 * i, 100 * i + 90)), tuple(range(40)), arrival=1) for i in range(4)]
     h = harness(ATTENTION, num_blocks=20, budget=256)
