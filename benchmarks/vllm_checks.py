@@ -13,7 +13,6 @@ requests) are logged and counted, not raised, so every mode replays the whole wo
 
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 import os
@@ -24,7 +23,7 @@ os.environ.pop("ICONTRACT_SLOW", None)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from workloads import add_workload_arguments, workload_from_args  # noqa: E402
+from workloads import harness_benchmark_args, workload_from_args  # noqa: E402
 
 from kvproof.integrations.vllm.engine_harness import EngineHarness  # noqa: E402  (sets VLLM_TARGET_DEVICE)
 from kvproof.integrations.vllm.checked_scheduler import install_checks  # noqa: E402
@@ -44,11 +43,7 @@ def run_once(trace, layout, args, mode: str) -> tuple[float, int, int]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_workload_arguments(p)
-    p.set_defaults(requests=500)
-    p.add_argument("--repeat", type=int, default=3)
-    args = p.parse_args(argv)
+    args = harness_benchmark_args(__doc__, argv)
     logging.getLogger("vllm").setLevel(logging.CRITICAL)  # violation logs would swamp the table
     groups, trace = workload_from_args(args)
     print(f"# vLLM 0.33.0 Scheduler, {len(trace)} requests, groups {', '.join(g.label for g in groups)}, "

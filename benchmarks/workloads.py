@@ -45,6 +45,18 @@ def add_workload_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def harness_benchmark_args(doc: str, argv=None, requests: int = 500):
+    """The flags of the benchmarks that replay a workload through vLLM's Scheduler (the engine
+    harness): the workload's, ``--requests`` defaulting to ``requests``, and ``--repeat``."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    add_workload_arguments(p)
+    p.set_defaults(requests=requests)
+    p.add_argument("--repeat", type=int, default=3, help="runs per configuration; the best is reported")
+    return p.parse_args(argv)
+
+
 def workload_from_args(args):
     """``(groups, trace)`` for the flags of :func:`add_workload_arguments`."""
     from kvproof.cli.layout_args import parse_group

@@ -258,3 +258,55 @@ class KVCacheManager:
             if ref < n:
                 raise InvariantViolation("INV-TABLE-HELD", f"block {b} is in {n} tables but has ref count {ref}")
         return True
+
+    # --- for a host scheduler that allocates ahead of its tokens (vLLM's: the adapter) -----------
+
+    def reserve_slots(self, request: Request, num_slots: int, hit: Optional[Hit] = None) -> Optional[tuple[list[int], ...]]:
+        """Mutates unless it returns None. ``allocate_slots`` for ``num_slots`` slots after the
+        computed tokens, some of which may hold tokens not known yet: vLLM's Scheduler allocates
+        for draft tokens, EAGLE lookahead and async-scheduling placeholders before they are
+        sampled. Nothing unknown is ever keyed: ``cache`` keys only hashed (known) tokens."""
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
+            raise ValueError(f"request {request.request_id!r}: num_slots {num_slots!r} must be an int > 0")
+        if request.request_id in self._in_flight:
+            raise ValueError(f"request {request.request_id!r} was already allocated this step")
+        running = self.coordinator.is_running(request)
+        if running and hit is not None and hit.num_tokens:
+            raise ValueError(f"request {request.request_id!r} is running; a running request takes no hit")
+        hit = None if running else (hit if hit is not None else self.coordinator.miss)
+        total = (request.num_computed_tokens if running else hit.num_tokens) + num_slots
+        if total > self._max_model_len:
+            raise ValueError(f"request {request.request_id!r}: {total} slots exceed max_model_len {self._max_model_len}")
+        result = self.coordinator.allocate(request, total, hit)
+        if result is None:
+            return None
+        if not running:
+            request.num_computed_tokens = hit.num_tokens
+        self._in_flight.add(request.request_id)
+        return result
+
+    def blocks_needed(self, request: Request, total_tokens: int, hit: Optional[Hit] = None) -> int:
+        """Free blocks an allocation to ``total_tokens`` would take now (``hit``: a waiting
+        request's). No state change."""
+        return self.coordinator.blocks_needed(request, total_tokens, hit)
+
+    def keyed_tokens(self, request: Request) -> int:
+        """Tokens of a running request's prefix that its own blocks have keyed in every group
+        (the least over groups of the longest key in its row). No state change."""
+        rows = self.block_table(request)
+        return min((max((self.pool.num_tokens_of(b) for b in row if b), default=0) for row in rows), default=0)
+
+    def reset_prefix_cache(self) -> bool:
+        """Mutates if it succeeds. Drop every key; False with nothing changed while any block is
+        held (a request's, or a source kept for the last step's copies until ``begin_step``)."""
+        return self.pool.reset()
+
+    def evict(self, block_ids) -> int:
+        """Mutates. Drop the keys of the listed blocks (a host found their contents invalid);
+        returns how many keys were dropped. An id out of range raises ValueError, nothing changed."""
+        return self.pool.evict(sorted(block_ids))
+
+    def cached_block(self, block_hash: bytes, group_id: int) -> Optional[int]:
+        """The block a hit on the prefix named by ``block_hash`` (one of a request's block
+        hashes) returns in a group, or None. No state change."""
+        return self.pool.lookup((block_hash, group_id))

@@ -47,9 +47,8 @@ import peer_suite_models  # noqa: E402
 VLLM_VERSION = "0.33.0"
 VLLM_COMMIT = "g4ba787ec9"
 DEFAULT_FILES = ("tests/v1/core/test_scheduler.py", "tests/v1/core/test_prefix_caching.py")
-# The adapter (kvproof's manager as vLLM's KVCacheManager, not written yet); `--manager kvproof`
-# selects it once it exists.
-KVPROOF_MANAGER = "kvproof.integrations.vllm.manager_adapter:KvproofKVCacheManager"
+# kvproof's manager as vLLM's KVCacheManager (`--manager kvproof`).
+KVPROOF_MANAGER = "kvproof.integrations.vllm.kvproof_manager:KvproofKVCacheManager"
 OUTCOMES = ("pass", "fail", "error", "skip", "xfail", "xpass", "missing")
 
 # Names of vLLM's KV-cache internals: its block objects and block pool, its coordinator and
@@ -343,7 +342,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cache", default=default_cache(), help="where the tests, tiny models and reports live")
     parser.add_argument("--refresh", action="store_true", help="fetch the sdist again")
     parser.add_argument("--manager", choices=("stock", "kvproof"), default="stock",
-                        help="the second column's manager: kvproof's adapter (not written yet)")
+                        help="the second column's manager: kvproof's (integrations/vllm/kvproof_manager.py)")
     parser.add_argument("--manager-class", help="module:Class, the second column's manager")
     parser.add_argument("--substitute", choices=("scheduler", "all"), default="scheduler",
                         help="where the manager is replaced: where the Scheduler builds it, or also in tests that build one")

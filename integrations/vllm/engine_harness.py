@@ -187,18 +187,19 @@ def _engine_config(dcp: int, max_model_len: int, block_size: int, max_num_batche
 
 
 @contextlib.contextmanager
-def _forced_manager_arguments(**forced):
+def _manager_factory(manager_class: Optional[type], **forced):
     """Bind ``vllm.v1.core.sched.scheduler.KVCacheManager`` (the name the Scheduler's
-    constructor calls) to a factory that overrides ``forced`` keyword arguments, for the
-    duration of the block. Whatever the name was bound to is what gets built."""
-    if not forced:
+    constructor calls) to ``manager_class`` (None: what the name is bound to now) with ``forced``
+    keyword arguments overridden, for the duration of the block."""
+    original = scheduler_module.KVCacheManager
+    if manager_class is None and not forced:
         yield
         return
-    original = scheduler_module.KVCacheManager
+    built = manager_class or original
 
     def build(*args, **kwargs):
         kwargs.update(forced)
-        return original(*args, **kwargs)
+        return built(*args, **kwargs)
 
     scheduler_module.KVCacheManager = build
     try:
@@ -225,6 +226,7 @@ class EngineHarness:
         long_prefill_token_threshold: int = 0,
         num_hash_lookahead_tokens: int = 0,
         scheduler_cls: type = Scheduler,
+        manager_class: Optional[type] = None,
         hooks: Sequence[StepHook] = (),
     ) -> None:
         if max_num_seqs is None:
@@ -262,7 +264,7 @@ class EngineHarness:
             forced["use_eagle"] = True
         if num_hash_lookahead_tokens:
             forced["num_hash_lookahead_tokens"] = num_hash_lookahead_tokens
-        with _forced_manager_arguments(**forced):
+        with _manager_factory(manager_class, **forced):
             self.scheduler = scheduler_cls(
                 vllm_config=self.vllm_config,
                 kv_cache_config=self.kv_cache_config,
@@ -277,7 +279,10 @@ class EngineHarness:
         hash_fn = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)  # what EngineCore does once prefix caching is on
         self._block_hasher = get_request_block_hasher(layout.hash_block_size, hash_fn, num_hash_lookahead_tokens)
-        self._count_evictions()
+        self._manager_class = manager_class
+        self._vllm_evictions = 0
+        if manager_class is None:
+            self._count_evictions()
         self.step_count = 0
         self._pending: list[TraceRequest] = []
         self._expected: dict[str, tuple[int, ...]] = {}
@@ -292,6 +297,14 @@ class EngineHarness:
     @property
     def kv_cache_manager(self):
         return self.scheduler.kv_cache_manager
+
+    @property
+    def evictions(self) -> int:
+        """Cached blocks whose keys were dropped because the pool handed them out again (kvproof's
+        manager counts its own)."""
+        if self._manager_class is None:
+            return self._vllm_evictions
+        return self.kv_cache_manager.manager.num_evictions
 
     # --- set-up ---------------------------------------------------------------------------------
 
@@ -317,11 +330,10 @@ class EngineHarness:
         """Observe (not change) the pool: count cached blocks dropped when handed out again."""
         pool = self.kv_cache_manager.block_pool
         evict = pool._maybe_evict_cached_block
-        self.evictions = 0
 
         def counted(block):
             evicted = evict(block)
-            self.evictions += evicted
+            self._vllm_evictions += evicted
             return evicted
 
         pool._maybe_evict_cached_block = counted
@@ -377,8 +389,7 @@ class EngineHarness:
         t0 = time.perf_counter()
         out = sched.schedule()
         self._scheduler_seconds += time.perf_counter() - t0
-        pool = self.kv_cache_manager.block_pool
-        in_use = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+        in_use = self.num_blocks - 1 - self.kv_cache_manager.block_pool.get_num_free_blocks()
         self._peak = max(self._peak, in_use)
         starts = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
         for n in out.scheduled_new_reqs:

@@ -1,10 +1,21 @@
-"""The ``vllm.general_plugins`` entry point: kvproof's checks inside every vLLM process, without
-``--scheduler-cls``.
+"""The ``vllm.general_plugins`` entry point: kvproof's manager and kvproof's checks inside every
+vLLM process, without ``--scheduler-cls``.
 
 vLLM loads general plugins once per process -- API server, engine core (before the executor,
 KV-cache set-up and the scheduler), every worker (before the model runner) -- and calls
-``register()``. It is inert unless ``KVPROOF_CONTRACTS`` is set (``cheap`` or ``slow``), so
-installing kvproof changes nothing in production. When it is set, ``register()``:
+``register()``. It is inert unless ``KVPROOF_MANAGER=kvproof`` or ``KVPROOF_CONTRACTS`` is set,
+so installing kvproof changes nothing in production.
+
+``KVPROOF_MANAGER=kvproof`` (``vllm`` or unset: vLLM's own) binds the name vLLM's Scheduler
+builds its manager with to kvproof's (``kvproof_manager.KvproofKVCacheManager``), after
+validating ``KVPROOF_OPTIONS`` (``serving_options``); a Scheduler with a KV connector
+(``--kv-transfer-config``: real connectors call vLLM's block-pool API) or an async Scheduler over
+Mamba groups is refused at construction with one line saying what to change. With it, ``KVPROOF_CONTRACTS``
+keeps its worker-side checks below; on the scheduler side kvproof's manager runs its own
+contracts (cheap always; ``slow`` turns on the slow tier, ``spec.contracts.set_slow``) in place
+of the checks of vLLM's manager, which read vLLM's internals.
+
+When ``KVPROOF_CONTRACTS`` is set (``cheap`` or ``slow``), ``register()``:
 
 * refuses a vLLM version the checks were not tested against (they read vLLM internals);
 * wraps ``Scheduler.__init__`` so that every scheduler vLLM builds (sync or async, or a
@@ -30,34 +41,55 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Optional
 
-from kvproof.integrations.vllm import TESTED_VLLM_VERSIONS, stop_report
+from kvproof.integrations.vllm import TESTED_VLLM_VERSIONS, serving_options, stop_report
 from kvproof.integrations.vllm.violations import contracts_mode, logger, violation_action
+
+MANAGERS = ("vllm", "kvproof")
 
 _installed = False
 
 
 def register() -> None:
     """vLLM's plugin hook (see the module docstring). Mutates vLLM's classes once per process
-    when ``KVPROOF_CONTRACTS`` is set; does nothing otherwise."""
+    when ``KVPROOF_MANAGER=kvproof`` or ``KVPROOF_CONTRACTS`` is set; does nothing otherwise."""
     global _installed
     mode = contracts_mode()
-    if mode is None or _installed:
+    kvproof_manager = manager_choice() == "kvproof"
+    if (mode is None and not kvproof_manager) or _installed:
         return
     violation_action()  # a bad KVPROOF_ON_VIOLATION fails here, at start, not at the first violation
+    if kvproof_manager:
+        serving_options.from_environment()  # and a bad KVPROOF_OPTIONS
     import vllm
 
     if vllm.__version__ not in TESTED_VLLM_VERSIONS:
+        switch = "KVPROOF_MANAGER=kvproof asks for kvproof's manager" if kvproof_manager else f"KVPROOF_CONTRACTS={mode} asks for checks"
         raise RuntimeError(
-            f"kvproof: KVPROOF_CONTRACTS={mode} asks for checks, but vLLM {vllm.__version__} is not a version they "
+            f"kvproof: {switch}, but vLLM {vllm.__version__} is not a version they "
             f"were tested against ({', '.join(TESTED_VLLM_VERSIONS)}); they read vLLM's internals. Install a "
-            "tested vLLM or unset KVPROOF_CONTRACTS."
+            "tested vLLM or unset the switch."
         )
     if stop_report.begin():
         _forget_dead_processes_metrics()
-    _install_scheduler_side()
-    _install_worker_side()
+    if kvproof_manager:
+        _install_kvproof_manager(slow=mode == "slow")
+    else:
+        _install_scheduler_side()
+    if mode is not None:
+        _install_worker_side()
     _installed = True
+
+
+def manager_choice(value: Optional[str] = None) -> str:
+    """The manager asked for (``KVPROOF_MANAGER`` unless ``value`` is given): ``vllm`` (also when
+    unset) or ``kvproof``. Raises ValueError naming any other value."""
+    raw = os.environ.get("KVPROOF_MANAGER", "") if value is None else value
+    choice = raw.strip().lower() or "vllm"
+    if choice not in MANAGERS:
+        raise ValueError(f"KVPROOF_MANAGER={raw!r}; expected one of {', '.join(MANAGERS)} (or unset for vLLM's own)")
+    return choice
 
 
 def _forget_dead_processes_metrics() -> None:
@@ -107,6 +139,54 @@ def _install_scheduler_side() -> None:
 
     __init__.__wrapped__ = original
     Scheduler.__init__ = __init__
+
+
+def serving_refusal(scheduler_cls: type, vllm_config, kv_cache_config) -> Optional[str]:
+    """Why kvproof's manager cannot serve a Scheduler of this class and configuration (one line,
+    saying what to change), or None. Pure."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    if vllm_config.kv_transfer_config is not None:
+        refusal = "does not serve KV connectors (--kv-transfer-config is set):"
+    elif issubclass(scheduler_cls, AsyncScheduler) and kv_cache_config.has_mamba_layers:
+        # Keys follow the step's output; by then the next step may be overwriting the Mamba
+        # state block a key would name.
+        refusal = "keys Mamba states only with synchronous scheduling: add --no-async-scheduling, or"
+    else:
+        return None
+    return f"kvproof's manager {refusal} unset KVPROOF_MANAGER to serve with vLLM's manager"
+
+
+def _install_kvproof_manager(slow: bool) -> None:
+    from vllm.v1.core.sched import scheduler as scheduler_module
+
+    from kvproof.integrations.vllm.kvproof_manager import KvproofKVCacheManager
+    from kvproof.spec.contracts import set_slow
+
+    Scheduler = scheduler_module.Scheduler
+    original = Scheduler.__init__
+
+    def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
+        message = serving_refusal(type(self), vllm_config, kv_cache_config)
+        if message is not None:
+            stop_report.record(message)
+            raise ValueError(message)
+        original(self, vllm_config, kv_cache_config, *args, **kwargs)
+        logger.info("kvproof's KV-cache manager serves this engine (%s)", self.kv_cache_manager.options)
+
+    def build(*args, **kwargs):
+        try:
+            return KvproofKVCacheManager(*args, **kwargs)
+        except (ValueError, NotImplementedError) as e:  # what it cannot serve: the stop report's line
+            stop_report.record(f"kvproof's manager cannot serve this engine: {e}; unset KVPROOF_MANAGER to serve "
+                               "with vLLM's manager")
+            raise
+
+    __init__.__wrapped__ = original
+    Scheduler.__init__ = __init__
+    scheduler_module.KVCacheManager = build
+    if slow:
+        set_slow(True)
 
 
 def _install_worker_side() -> None:

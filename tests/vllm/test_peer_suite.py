@@ -70,6 +70,35 @@ def test_the_ci_subset_gives_the_recorded_stock_outcomes(tmp_path):
     assert stock[SCHEDULER + "test_async_scheduling_pp_allows_rescheduling_with_output_placeholders"]["outcome"] == "fail"
 
 
+KVPROOF_TABLE = ROOT / "docs" / "vllm-peer-suite-kvproof.md"
+# Scheduler-built tests with kvproof's manager in the Scheduler: chunked prefill, preemption,
+# stop handling, a KV connector's external tokens (sync and async loads), and the documented
+# difference (a prefix keyed before its forward pass ran, which kvproof does not hit).
+KVPROOF_SUBSET = (
+    "test_schedule_partial_requests or test_kv_connector_unable_to_allocate or test_stop_via_update "
+    "or test_preempt_during_execution or test_prefix_hit_is_capped_at_retained_auxiliary_outputs "
+    "or test_kv_connector_handles_preemption"
+)
+
+
+@pytest.mark.slow
+def test_the_ci_subset_with_kvproofs_manager_gives_the_recorded_outcomes(tmp_path):
+    pytest.importorskip("vllm")
+    out = tmp_path / "subset.json"
+    result = subprocess.run(
+        [sys.executable, str(RUNNER), "--manager", "kvproof", "--no-stock", "-k", KVPROOF_SUBSET,
+         "--expect", str(KVPROOF_TABLE), "--json", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    ours = json.loads(out.read_text())["columns"]["kvproof"]
+    outcomes = {r["outcome"] for r in ours.values()}
+    assert len(ours) >= 15 and outcomes == {"pass", "fail"}, (len(ours), outcomes)
+    assert all(runner.via(r["builds"]) in ("scheduler", "both") for r in ours.values())
+    local = ours[SCHEDULER + "test_prefix_hit_is_capped_at_retained_auxiliary_outputs[local]"]
+    assert local["outcome"] == "fail" and "assert 80 == (80 - 64)" in local["reason"]
+
+
 def test_a_table_reads_back_as_written(tmp_path):
     columns = {
         "stock": {"a.py::test_x[1]": {"outcome": "pass", "reason": "", "builds": ["scheduler"]},

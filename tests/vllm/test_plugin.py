@@ -41,14 +41,19 @@ def test_the_plugin_is_inert_without_the_switch(monkeypatch):
 @pytest.mark.parametrize("name, value, error", [
     ("KVPROOF_CONTRACTS", "on", "KVPROOF_CONTRACTS='on'; expected one of cheap, slow"),
     ("KVPROOF_ON_VIOLATION", "warn", "KVPROOF_ON_VIOLATION='warn'; expected one of raise, log"),
+    ("KVPROOF_MANAGER", "sglang", "KVPROOF_MANAGER='sglang'; expected one of vllm, kvproof"),
+    ("KVPROOF_OPTIONS", "eviction=fifo", "KVPROOF_OPTIONS: eviction='fifo' must be one of lru, compute"),
 ])
 def test_bad_switch_values_fail_at_register(monkeypatch, name, value, error):
+    from vllm.v1.core.sched import scheduler as scheduler_module
+
     monkeypatch.setenv("KVPROOF_CONTRACTS", "cheap")
+    monkeypatch.setenv("KVPROOF_MANAGER", "kvproof")
     monkeypatch.setenv(name, value)
-    init = Scheduler.__init__
+    init, manager = Scheduler.__init__, scheduler_module.KVCacheManager
     with pytest.raises(ValueError, match=error):
         plugin.register()
-    assert Scheduler.__init__ is init
+    assert Scheduler.__init__ is init and scheduler_module.KVCacheManager is manager and not plugin.installed()
 
 
 def test_an_untested_vllm_version_is_refused(monkeypatch):
@@ -155,6 +160,8 @@ _INSTALLED = textwrap.dedent("""
         distributed_executor_backend="kvproof.integrations.vllm.cpu_executor.CpuStagingExecutor"))
     core = engine.engine_core.engine_core
     report["checker"] = hasattr(core.scheduler.kv_cache_manager, "_kvproof_checker")
+    report["manager"] = type(core.scheduler.kv_cache_manager).__name__
+    report["hits"] = {}
     requests, step = [("r0", 11, 1), ("r2", 17, 1), ("r1", 13, 2)], 0
     try:
         while requests or engine.has_unfinished_requests():
@@ -162,7 +169,9 @@ _INSTALLED = textwrap.dedent("""
             for rid, n, arrival in [r for r in requests if r[2] <= step]:
                 engine.add_request(rid, {"prompt_token_ids": [0] * n}, SamplingParams(max_tokens=1, ignore_eos=True))
                 requests.remove((rid, n, arrival))
-            engine.step()
+            for out in engine.step():
+                if out.finished:
+                    report["hits"][out.request_id] = out.num_cached_tokens
     except InvariantViolation as e:
         report["violation"] = str(e)
     engine.engine_core.shutdown()
@@ -171,7 +180,8 @@ _INSTALLED = textwrap.dedent("""
 
 
 def _run_fresh(script, **env):
-    environment = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "KVPROOF_CONTRACTS")}
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("VLLM_PLUGINS", "KVPROOF_CONTRACTS", "KVPROOF_MANAGER", "KVPROOF_OPTIONS")}
     environment.update(VLLM_TARGET_DEVICE="cpu", VLLM_ENABLE_V1_MULTIPROCESSING="0", **env)
     done = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
@@ -200,6 +210,40 @@ def test_without_the_switch_the_installed_plugin_changes_nothing():
     assert not report["installed"] and not report["scheduler"] and not report["tables"] and not report["checker"]
     assert not report["slots"]
     assert report["violation"].startswith("INV-COW-SOURCE-READY: step 4: copy 5 -> 7 writes block 7, which another copy")
+
+
+@pytest.mark.parametrize("contracts", [None, "slow"])
+def test_kvproof_manager_serves_the_same_run_without_vllms_copy_hazard(contracts):
+    """KVPROOF_MANAGER=kvproof: the engine's Scheduler builds kvproof's manager, and the run on
+    which vLLM's manager copies a block not yet written (above) completes, every copy batch
+    checked by the staging executor, every request served (with the worker-side checks on top
+    under KVPROOF_CONTRACTS)."""
+    env = {"KVPROOF_MANAGER": "kvproof"} | ({"KVPROOF_CONTRACTS": contracts} if contracts else {})
+    report = _run_fresh(_INSTALLED, **env)
+    assert report["installed"] and report["manager"] == "KvproofKVCacheManager" and not report["checker"]
+    assert "violation" not in report and report["status"] == 0, report["last"]
+    assert sorted(report["hits"]) == ["r0", "r1", "r2"] and report["hits"]["r1"] == 8  # r0's first 8 tokens
+    assert report["tables"] == report["copies"] == (contracts is not None)
+
+
+def test_kvproofs_manager_refuses_connectors_and_async_mamba_naming_the_change():
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from kvproof.integrations.vllm.kv_specs import kv_cache_config_for
+    from kvproof.spec.groups import CacheGroup, GroupKind
+    from kvproof.spec.layout import LayoutConfig, resolve_layout
+
+    def config(*kinds):
+        return kv_cache_config_for(resolve_layout(LayoutConfig(tuple(CacheGroup(k, 16) for k in kinds))), 64)
+
+    plain, connector = SimpleNamespace(kv_transfer_config=None), SimpleNamespace(kv_transfer_config=object())
+    hybrid, attention = config(GroupKind.FULL_ATTENTION, GroupKind.MAMBA), config(GroupKind.FULL_ATTENTION)
+    assert "--kv-transfer-config" in plugin.serving_refusal(Scheduler, connector, attention)
+    assert "--no-async-scheduling" in plugin.serving_refusal(AsyncScheduler, plain, hybrid)
+    assert plugin.serving_refusal(Scheduler, plain, hybrid) is None  # controls
+    assert plugin.serving_refusal(AsyncScheduler, plain, attention) is None
 
 
 _UNTESTED = textwrap.dedent("""
