@@ -93,11 +93,6 @@ _COMMAND_FLAGS = {
              "--max-num-batched-tokens": (st.sampled_from(["16", "512", "8192"]), hostile_numbers),
              "--max-num-seqs": (st.sampled_from(["1", "4", "256"]), hostile_numbers),
              "--layers": (st.sampled_from(["12,36", "1,1"]), st.sampled_from(["", "1_2,36", "0,1", "12"])),
-             "--model": (st.sampled_from(["llama", "jamba", "qwen3-next"]), st.sampled_from(["nope", "", "/", "kimi"])),
-             "--tensor-parallel-size": (st.sampled_from(["1", "2"]), hostile_numbers),
-             "--objective": (st.sampled_from(["hit-rate", "per-gpu", "target-hit=5"]),
-                             st.sampled_from(["", "best", "target-hit=0", "target-hit=x"])),
-             "--gpus": (st.sampled_from(["1", "8"]), hostile_numbers),
              "--memory-sweep": (st.sampled_from(["0.01", "0.02,0.04"]), st.sampled_from(["1e3", "x", "", "-1"])),
              "--jobs": (st.just("1"), st.sampled_from(_HOSTILE_NUMBERS)),  # never dozens of processes
              "--eagle": None, "--no-partial-hash-hits": None, "--json": None},

@@ -70,7 +70,7 @@ def test_the_ci_subset_gives_the_recorded_stock_outcomes(tmp_path):
     assert stock[SCHEDULER + "test_async_scheduling_pp_allows_rescheduling_with_output_placeholders"]["outcome"] == "fail"
 
 
-KVPROOF_TABLE = ROOT / "docs" / "vllm-peer-suite-kvproof.md"
+KVPROOF_TABLE = ROOT / "docs" / "vllm-peer-suite-kvproof-manager.md"
 # Scheduler-built tests with kvproof's manager in the Scheduler: chunked prefill, preemption,
 # stop handling, a KV connector's external tokens (sync and async loads), and the documented
 # difference (a prefix keyed before its forward pass ran, which kvproof does not hit).
