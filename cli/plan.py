@@ -90,8 +90,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--oracle", action="store_true",
                    help="also run the content oracle on every step (about 3x the CPU time and 5x the memory)")
     r.add_argument("--engine", choices=("kvproof", "vllm"), default="kvproof",
-                   help="kvproof's contract-checked scheduler and manager (default); 'vllm' also runs vLLM 0.33.0's "
-                   "own scheduler and manager on the CPU, side by side")
+                   help="kvproof's contract-checked scheduler and manager (default); 'vllm' also runs what vllm serve "
+                   "runs, on the CPU, side by side: vLLM 0.33.0's Scheduler with its own manager (stock vLLM) and "
+                   "with kvproof's (KVPROOF_MANAGER=kvproof)")
     r.add_argument("--jobs", type=job_count, help="configurations replayed at once (default: one per core)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object")
@@ -276,7 +277,7 @@ def build_request(args: argparse.Namespace):
         require_vllm()
         if args.no_partial_hash_hits:
             raise ValueError("--engine vllm: vLLM 0.33.0 always allows partial hash hits; drop --no-partial-hash-hits")
-        engines = ("kvproof", "vllm")
+        engines = ("kvproof", "vllm", "kvproof-vllm")
     options = RunOptions(args.max_num_batched_tokens, args.max_num_seqs, args.eagle, args.oracle)
     return PlanRequest(
         workload, dataclasses.replace(base, dcp=1), dcps, memory, kv_bytes, args.num_blocks, sweep, options,

@@ -30,9 +30,16 @@ COARSE_RELATIVE = 0.10
 class Diagnosis:
     id: str
     message: str
+    #: The DCP size it was measured at (None: it holds for every size).
+    dcp: Optional[int] = None
+    #: Its remedies as replayed (``planner/remedies.py``), JSON-ready.
+    remedies: tuple[dict, ...] = ()
 
     def to_json(self) -> dict:
-        return {"id": self.id, "message": self.message}
+        out = {"id": self.id, "message": self.message}
+        if self.remedies:
+            out["remedies"] = list(self.remedies)
+        return out
 
 
 def _pct(x: float) -> str:
@@ -82,8 +89,7 @@ def diagnose(
                     f"DCP {r.dcp}: hit rate {_pct(r.hit_rate)} although the attention groups alone could restore "
                     f"{_pct(r.attention_hit_rate)}: a hit needs a Mamba state at exactly its length, and the states kept "
                     f"(retention {'none' if retention is None else retention}) sit where chunks ended, inside request-unique "
-                    "tokens rather than at the shared prefix's end (vllm#45238); keep more states "
-                    "(--retention-interval none or K) or end chunks at shared prefixes (--shared-prefix-checkpoint)",
+                    "tokens rather than at the shared prefix's end (vllm#45238)", r.dcp,
                 ))
 
     for dcp, layout in sorted(layouts.items()):
@@ -138,7 +144,6 @@ def diagnose(
                         "hash-unit-too-coarse",
                         f"DCP {dcp}: hits land on multiples of {coarse:,} tokens; with an unbounded cache the traffic "
                         f"allows {_pct(reuse[fine])} reuse in {fine}-token steps but only {_pct(reuse[coarse])} in "
-                        f"{coarse:,}-token steps: its shared prefixes end between hit boundaries (a smaller "
-                        "--hash-block-size or smaller blocks recover it)",
+                        f"{coarse:,}-token steps: its shared prefixes end between hit boundaries", dcp,
                     ))
     return out

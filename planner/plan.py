@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Callable, Optional
 
+from kvproof.planner import remedies
 from kvproof.planner.diagnose import Diagnosis, diagnose
 from kvproof.planner.memory import ModelMemory, PoolPlan, gib, plan_pool
 from kvproof.planner.model_config import ModelLayout
@@ -38,7 +39,8 @@ class PlanRequest:
     options: RunOptions = RunOptions()
     jobs: int = 1
     reuse_probe: bool = True
-    #: Engines per DCP size: kvproof always; "vllm" adds vLLM 0.33.0's own scheduler.
+    #: Engines per DCP size: kvproof's replay always; "vllm" adds vLLM 0.33.0's Scheduler with its
+    #: own manager, "kvproof-vllm" the same Scheduler with kvproof's (what ``vllm serve`` runs).
     engines: tuple[str, ...] = ("kvproof",)
     #: kvproof's eviction policies, each planned at every DCP size and memory size.
     policies: tuple[str, ...] = ("lru",)
@@ -60,13 +62,16 @@ class Task:
     sweep: bool
     engine: str = "kvproof"
     eviction: str = "lru"
+    #: The layout to replay instead of the plan's (a remedy's).
+    config: Optional[LayoutConfig] = None
 
     def run(self, req: "PlanRequest", tick: Callable[[], None]) -> ConfigReport:
-        if self.engine == "vllm":
+        base = dataclasses.replace(self.config or req.base, eviction=self.eviction)
+        if self.engine != "kvproof":
             from kvproof.planner.vllm_engine import run_config_vllm
 
-            return run_config_vllm(req.workload, req.base, self.dcp, self.pool, self.kv_memory_bytes, req.options, tick)
-        base = dataclasses.replace(req.base, eviction=self.eviction)
+            return run_config_vllm(req.workload, base, self.dcp, self.pool, self.kv_memory_bytes, req.options, tick,
+                                   self.engine)
         return run_config(req.workload, base, self.dcp, self.pool, self.kv_memory_bytes, req.options, tick)
 
 
@@ -76,7 +81,7 @@ class PlanResult:
     layouts: dict[int, Layout]
     reports: list[ConfigReport]  # kvproof's, one per DCP size
     sweep: list[ConfigReport]
-    #: vLLM's own scheduler on the same configurations (``engines`` includes "vllm").
+    #: vLLM's Scheduler on the same configurations, with either manager (``engines``).
     vllm_reports: list[ConfigReport]
     recommendation: dict
     diagnoses: list[Diagnosis]
@@ -115,6 +120,8 @@ def prepare(req: PlanRequest) -> tuple[dict[int, Layout], list[Task], list[str]]
         tasks += [Task(d, req.kv_memory_bytes, pool, False, eviction=e) for e in req.policies]
         if "vllm" in req.engines:
             tasks.append(Task(d, req.kv_memory_bytes, pool, False, "vllm"))
+        if "kvproof-vllm" in req.engines:
+            tasks += [Task(d, req.kv_memory_bytes, pool, False, "kvproof-vllm", e) for e in req.policies]
     left_out = []
     for kv in req.sweep_bytes:
         for d in req.dcps:
@@ -171,22 +178,9 @@ def run_plan(req: PlanRequest, progress: Optional[Callable[[int, int], None]] = 
     Raises ValueError / CapacityError for input a configuration cannot serve."""
     started = time.perf_counter()
     layouts, tasks, notes = prepare(req)
-    total = len(tasks) * len(req.workload)
-    jobs = max(1, min(req.jobs, len(tasks)))
-    if jobs > 1 and "fork" in multiprocessing.get_all_start_methods():
-        results = _run_parallel(req, tasks, jobs, total, progress)
-    else:
-        results, finished = [], 0
-        for t in tasks:
-            def tick() -> None:
-                nonlocal finished
-                finished += 1
-                if progress is not None:
-                    progress(finished, total)
-
-            results.append(t.run(req, tick))
+    results = _run_tasks(req, tasks, progress)
     reports = [r for r, t in zip(results, tasks) if not t.sweep and t.engine == "kvproof"]
-    vllm_reports = [r for r, t in zip(results, tasks) if t.engine == "vllm"]
+    vllm_reports = [r for r, t in zip(results, tasks) if t.engine != "kvproof"]
     sweep = [r for r, t in zip(results, tasks) if t.sweep]
     if sweep:  # the main runs are sweep points too
         sweep = sorted(sweep + [r for r in reports if r.kv_memory_bytes is not None],
@@ -198,25 +192,80 @@ def run_plan(req: PlanRequest, progress: Optional[Callable[[int, int], None]] = 
         reuse, reuse_tokens = probe.fractions, probe.examined_tokens
     prompt_lengths = [e.prompt_len for e in req.workload.entries]
     diagnoses = diagnose(layouts, reports, prompt_lengths, req.options.max_num_seqs, req.memory, reuse)
+    diagnoses = _replay_remedies(req, diagnoses, results, tasks, _fine_unit(layouts), progress)
     return PlanResult(
-        req, layouts, reports, sweep, vllm_reports, _recommendation(req, reports, sweep), diagnoses, reuse,
+        req, layouts, reports, sweep, vllm_reports, _recommendation(req, reports, sweep, vllm_reports), diagnoses, reuse,
         time.perf_counter() - started, tasks[0].pool.vllm_groups, reuse_tokens, notes,
     )
 
 
-def _recommendation(req: PlanRequest, reports: list[ConfigReport], sweep: list[ConfigReport]) -> dict:
-    """The recommendation, with the ``vllm serve`` command of its choice."""
+def _run_tasks(req: PlanRequest, tasks: list[Task], progress) -> list[ConfigReport]:
+    """Every task's report, in order, in worker processes when ``req.jobs`` allows."""
+    total = len(tasks) * len(req.workload)
+    jobs = max(1, min(req.jobs, len(tasks)))
+    if jobs > 1 and "fork" in multiprocessing.get_all_start_methods():
+        return _run_parallel(req, tasks, jobs, total, progress)
+    results, finished = [], 0
+    for t in tasks:
+        def tick() -> None:
+            nonlocal finished
+            finished += 1
+            if progress is not None:
+                progress(finished, total)
+
+        results.append(t.run(req, tick))
+    return results
+
+
+def _replay_remedies(req: PlanRequest, diagnoses: list[Diagnosis], results: list[ConfigReport], tasks: list[Task],
+                     fine_unit: int, progress) -> list[Diagnosis]:
+    """Each diagnosis with remedies, replayed with every candidate at its DCP size in the same pool
+    (kvproof's engine, the first eviction policy), its message ending with what they measured."""
+    measured = {r.dcp: (r, t) for r, t in zip(results, tasks) if t.engine == "kvproof" and not t.sweep
+                and t.eviction == req.policies[0]}
+    plans = [(d, remedy) for d in diagnoses if d.dcp in measured
+             for remedy in remedies.candidates(d, req.base, fine_unit)]
+    if not plans:
+        return diagnoses
+    trial_tasks = [dataclasses.replace(measured[d.dcp][1], config=remedy.apply(req.base)) for d, remedy in plans]
+    after = _run_tasks(req, trial_tasks, progress)
+    out = []
+    for d in diagnoses:
+        trials = [remedies.Trial(d, remedy, measured[d.dcp][0], a) for (dd, remedy), a in zip(plans, after) if dd is d]
+        clause = remedies.summary(trials)
+        out.append(d if clause is None else dataclasses.replace(
+            d, message=f"{d.message}; {clause}", remedies=tuple(remedies.to_json(trials))))
+    return out
+
+
+def _recommendation(req: PlanRequest, reports: list[ConfigReport], sweep: list[ConfigReport],
+                    served: list[ConfigReport]) -> dict:
+    """The recommendation, with the ``vllm serve`` command of its choice and, when the plan ran
+    vLLM's Scheduler, what that command measured there beside stock vLLM."""
     out = recommend(reports, sweep, req.objective, req.deployment)
     choice = out["choice"]
     if choice is not None:
-        command = serve_command(
-            dataclasses.replace(req.base, eviction=choice["eviction"]), choice["dcp"], choice["gpus"],
-            choice["kv_memory_bytes"], req.options.max_num_batched_tokens, req.options.max_num_seqs,
-            model=req.serve_model, block_size_from_model=req.model is not None, eagle=req.options.use_eagle,
-        )
+        command = serve_command_for(req, choice["dcp"], choice["eviction"], choice["kv_memory_bytes"])
         out["serve"] = command.text()
         out["not_reproduced"] = list(command.not_reproduced)
+        same = [r for r in served if r.dcp == choice["dcp"] and r.kv_memory_bytes == choice["kv_memory_bytes"]
+                and r.eviction in (choice["eviction"], "lru")]
+        engine = "kvproof-vllm" if command.env else "vllm"
+        ours = next((r for r in same if r.engine == engine and r.eviction == choice["eviction"]), None)
+        stock = next((r for r in same if r.engine == "vllm"), None)
+        if ours is not None and stock is not None:
+            out["served_hit_rate"] = {"this command": round(ours.hit_rate, 6), "stock vllm": round(stock.hit_rate, 6)}
     return out
+
+
+def serve_command_for(req: PlanRequest, dcp: int, eviction: str, kv_memory_bytes: Optional[int], manager: str = "auto"):
+    """The ``vllm serve`` command (``serve_command.ServeCommand``) of one planned configuration
+    (``manager`` as ``serve_command`` takes it)."""
+    return serve_command(
+        dataclasses.replace(req.base, eviction=eviction), dcp, req.deployment.gpus(dcp), kv_memory_bytes,
+        req.options.max_num_batched_tokens, req.options.max_num_seqs, model=req.serve_model,
+        block_size_from_model=req.model is not None, eagle=req.options.use_eagle, manager=manager,
+    )
 
 
 def _fine_unit(layouts: dict[int, Layout]) -> int:

@@ -4,7 +4,7 @@ and the diagnoses."""
 from __future__ import annotations
 
 from kvproof.planner.memory import gib
-from kvproof.planner.plan import PlanResult
+from kvproof.planner.plan import PlanResult, serve_command_for
 from kvproof.planner.run import ConfigReport
 
 
@@ -66,7 +66,7 @@ def plan_to_json(result: PlanResult) -> dict:
         "engine": "kvproof",
         "oracle": req.options.oracle,
         "configs": [config_to_json(r) for r in result.reports],
-        "vllm_configs": [config_to_json(r) for r in result.vllm_reports],
+        "vllm_configs": [{**config_to_json(r), "serve": _row_command(result, r)} for r in result.vllm_reports],
         "memory_sweep": [config_to_json(r) for r in result.sweep],
         "reuse_bound": {str(u): round(f, 6) for u, f in sorted(result.reuse.items())},
         "reuse_bound_prompt_tokens": result.reuse_tokens,
@@ -75,6 +75,33 @@ def plan_to_json(result: PlanResult) -> dict:
         "diagnoses": [d.to_json() for d in result.diagnoses],
         "seconds": round(result.seconds, 3),
     }
+
+
+#: What each engine of a plan's rows runs, in words.
+ENGINE_LEGEND = {
+    "kvproof": "kvproof's scheduler and manager, replayed (kvproof's own scheduling: no vllm serve runs it)",
+    "vllm": "vLLM 0.33.0's Scheduler and KV-cache manager, stock vLLM:",
+    "kvproof-vllm": "vLLM's Scheduler with kvproof's manager inside it:",
+}
+
+
+def _row_command(result: PlanResult, r: ConfigReport) -> str:
+    """The ``vllm serve`` command that runs row ``r`` (an engine over vLLM's Scheduler)."""
+    manager = "vllm" if r.engine == "vllm" else "kvproof"
+    return serve_command_for(result.request, r.dcp, r.eviction, r.kv_memory_bytes, manager).text()
+
+
+def _engine_lines(result: PlanResult) -> list[str]:
+    """One line per engine in the rows, saying what it runs; for vLLM's Scheduler, the command of
+    its first row (the others differ in the DCP size)."""
+    lines = []
+    for engine in ENGINE_LEGEND:
+        rows = result.reports if engine == "kvproof" else [r for r in result.vllm_reports if r.engine == engine]
+        if rows:
+            lines.append(f"  {engine}: {ENGINE_LEGEND[engine]}")
+            if engine != "kvproof":
+                lines.append(f"    {_row_command(result, rows[0])}")
+    return lines
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -104,8 +131,7 @@ def plan_to_text(result: PlanResult) -> str:
         f"          {req.workload.prompt_tokens:,} prompt tokens",
         f"layout: {', '.join(g.group.label for g in base.groups)}; max-model-len {base.config.max_model_len:,}; "
         f"retention {'none' if base.config.retention_interval is None else base.config.retention_interval}",
-        f"run: budget {req.options.max_num_batched_tokens:,} tokens/step; engine kvproof"
-        + (" and vLLM 0.33.0" if result.vllm_reports else "")
+        f"run: budget {req.options.max_num_batched_tokens:,} tokens/step"
         + (" with the content oracle" if req.options.oracle else ""),
     ]
     if result.reports and result.reports[0].block_bytes:
@@ -128,6 +154,9 @@ def plan_to_text(result: PlanResult) -> str:
             f"{r.evictions:,}", f"{r.preemptions:,}", str(len(r.violations)),
         ])
     lines += ["", _table(rows)]
+    if result.vllm_reports:
+        lines += ["engines (commands at the first DCP size; the others add --decode-context-parallel-size):"]
+        lines += _engine_lines(result)
     # Per group (named by kind): the most blocks held at once, and the block tables on one GPU.
     names = _group_names(base)
     has_peak = all(r.peak_blocks_per_group is not None for r in result.reports)
@@ -167,6 +196,12 @@ def plan_to_text(result: PlanResult) -> str:
     lines += [f"  {n}" for n in rec.get("notes", ())]
     if "serve" in rec:
         lines.append(f"  {rec['serve']}")
+        if "served_hit_rate" in rec:
+            served = rec["served_hit_rate"]
+            lines.append(f"  in vLLM's Scheduler this command measured {100 * served['this command']:.1f} %, "
+                         f"stock vLLM {100 * served['stock vllm']:.1f} %")
+        elif rec["serve"].startswith("KVPROOF_MANAGER="):
+            lines.append("  (kvproof's manager inside vLLM, docs/vllm.md; --engine vllm measures this command)")
         if rec["not_reproduced"]:
             lines.append("  these numbers use kvproof's rules, which stock vLLM lacks:")
             lines += [f"    {n}" for n in rec["not_reproduced"]]

@@ -1,8 +1,12 @@
-"""The ``vllm serve`` command line that runs a planned configuration on stock vLLM 0.33.0, and
-the plan's rules it cannot reproduce (docs/plan.md, "Recommendations and diagnoses").
+"""The ``vllm serve`` command line that runs a planned configuration in vLLM 0.33.0, and the
+plan's settings it cannot reproduce (docs/plan.md, "Recommendations and diagnoses").
 
 Each flag is vLLM's own spelling of one plan setting; tests/vllm/test_serve_command_vllm.py
-parses the command with vLLM's argument parser and checks every engine argument it sets.
+parses the command with vLLM's argument parser and checks every engine argument it sets. The
+rules stock vLLM lacks (keys at every hash boundary, compute-aware eviction) are served by
+kvproof's manager inside vLLM: the command then starts with ``KVPROOF_MANAGER=kvproof`` and,
+where kvproof's defaults differ from the plan's, ``KVPROOF_OPTIONS`` (its grammar is
+``integrations/vllm/serving_options.py``'s; tests parse the value back with it).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import dataclasses
 import shlex
 from typing import Optional
 
+from kvproof.integrations.vllm.serving_options import ENV as OPTIONS_ENV, RULE_SETS
 from kvproof.spec.groups import GroupKind, MambaCacheMode
 from kvproof.spec.layout import LayoutConfig
 
@@ -18,14 +23,39 @@ from kvproof.spec.layout import LayoutConfig
 MODEL_PLACEHOLDER = "<model>"
 
 
+MANAGERS = ("auto", "vllm", "kvproof")
+#: kvproof's manager's defaults (what needs no option) and stock vLLM 0.33.0's choices.
+KVPROOF_DEFAULTS = RULE_SETS["kvproof"]
+STOCK_RULES = RULE_SETS["vllm"]
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeCommand:
     argv: tuple[str, ...]
-    #: The plan's settings no stock ``vllm serve`` flag reproduces (kvproof's own rules).
+    #: The plan's settings this command does not reproduce.
     not_reproduced: tuple[str, ...]
+    #: Environment the command needs: kvproof's manager and its options (empty: stock vLLM).
+    env: tuple[tuple[str, str], ...] = ()
 
     def text(self) -> str:
-        return shlex.join(self.argv).replace(shlex.quote(MODEL_PLACEHOLDER), MODEL_PLACEHOLDER)
+        prefix = "".join(f"{name}={shlex.quote(value)} " for name, value in self.env)
+        return prefix + shlex.join(self.argv).replace(shlex.quote(MODEL_PLACEHOLDER), MODEL_PLACEHOLDER)
+
+
+def kvproof_rules(config: LayoutConfig) -> dict[str, str]:
+    """The plan's rules that stock vLLM lacks, by ``KVPROOF_OPTIONS`` name (empty: stock vLLM
+    serves the configuration as planned)."""
+    return {k: v for k, v in _rules(config).items() if v != STOCK_RULES[k]}
+
+
+def kvproof_options(config: LayoutConfig) -> str:
+    """``KVPROOF_OPTIONS``'s value for kvproof's manager serving ``config``'s rules ("" for its
+    defaults)."""
+    return ",".join(f"{k}={v}" for k, v in _rules(config).items() if v != KVPROOF_DEFAULTS[k])
+
+
+def _rules(config: LayoutConfig) -> dict[str, str]:
+    return {name: getattr(config, name) for name in STOCK_RULES}
 
 
 def serve_command(
@@ -38,9 +68,14 @@ def serve_command(
     model: Optional[str] = None,
     block_size_from_model: bool = False,
     eagle: bool = False,
+    manager: str = "auto",
 ) -> ServeCommand:
     """``config`` at ``dcp`` on ``tensor_parallel_size`` GPUs. ``block_size_from_model``: the
-    layout's block sizes are the ones vLLM derives from the model itself, so no ``--block-size``."""
+    layout's block sizes are the ones vLLM derives from the model itself, so no ``--block-size``.
+    ``manager``: "vllm" (vLLM's own: kvproof's rules in ``config`` not reproduced), "kvproof", or
+    "auto" (kvproof's where ``config`` has rules stock vLLM lacks)."""
+    if manager not in MANAGERS:
+        raise ValueError(f"manager {manager!r} must be one of {', '.join(MANAGERS)}")
     argv = ["vllm", "serve", model or MODEL_PLACEHOLDER, "--tensor-parallel-size", str(tensor_parallel_size)]
     if dcp > 1:
         argv += ["--decode-context-parallel-size", str(dcp)]
@@ -62,13 +97,20 @@ def serve_command(
             argv += ["--prefix-cache-retention-interval", "None" if config.retention_interval is None else str(config.retention_interval)]
         if config.shared_prefix_checkpoint:
             argv += ["--enable-mamba-shared-prefix-checkpoint"]
-    missing = []
-    if config.attention_keys != "chunk-ends":
-        missing.append(f"--attention-keys {config.attention_keys} (vLLM keys each step's last hash boundary only)")
-    if config.eviction != "lru":
-        missing.append(f"--eviction {config.eviction} (vLLM evicts the least recently used)")
+    missing, env = [], []
+    rules = kvproof_rules(config)
+    if manager == "vllm":
+        if "attention_keys" in rules:
+            missing.append(f"--attention-keys {config.attention_keys} (vLLM keys each step's last hash boundary only)")
+        if "eviction" in rules:
+            missing.append(f"--eviction {config.eviction} (vLLM evicts the least recently used)")
+    elif rules or manager == "kvproof":
+        env.append(("KVPROOF_MANAGER", "kvproof"))
+        options = kvproof_options(config)
+        if options:
+            env.append((OPTIONS_ENV, options))
     if eagle:
         missing.append("--eagle (add your draft model as vllm serve's --speculative-config)")
     if config.hash_block_size is not None and not mamba:
         missing.append(f"--hash-block-size {config.hash_block_size} (vLLM hashes attention-only models per block)")
-    return ServeCommand(tuple(argv), tuple(missing))
+    return ServeCommand(tuple(argv), tuple(missing), tuple(env))

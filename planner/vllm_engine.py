@@ -9,6 +9,7 @@ before it arrives, and when nothing is in flight the step counter jumps to the n
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable, Optional
 
@@ -17,6 +18,22 @@ from kvproof.planner.memory import PoolPlan, largest_request, table_bytes_per_gp
 from kvproof.planner.run import ConfigReport, RunOptions, _per_layout_group, config_layout
 from kvproof.sim.workload import Workload
 from kvproof.spec.layout import LayoutConfig
+
+
+#: The engines that run vLLM's Scheduler, as the plan names them in words.
+ENGINE_NAMES = {"vllm": "vLLM", "kvproof-vllm": "kvproof's manager in vLLM"}
+
+
+def _manager_class(engine: str, base: LayoutConfig):
+    """The KV-cache manager class vLLM's Scheduler builds: None for vLLM's own; for kvproof's,
+    its class with the options the plan's ``vllm serve`` command passes in ``KVPROOF_OPTIONS``."""
+    if engine == "vllm":
+        return None
+    from kvproof.integrations.vllm import serving_options
+    from kvproof.integrations.vllm.kvproof_manager import KvproofKVCacheManager
+    from kvproof.planner.serve_command import kvproof_options
+
+    return functools.partial(KvproofKVCacheManager, options=serving_options.parse(kvproof_options(base)))
 
 
 def require_vllm() -> None:
@@ -34,18 +51,25 @@ def run_config_vllm(
     kv_memory_bytes: Optional[int],
     options: RunOptions,
     on_request_done: Optional[Callable[[], None]] = None,
+    engine: str = "vllm",
 ) -> ConfigReport:
-    """Replay ``workload`` at ``dcp`` in ``pool`` through vLLM's Scheduler. Raises ValueError
-    when vLLM refuses the configuration or cannot schedule a request in the pool."""
+    """Replay ``workload`` at ``dcp`` in ``pool`` through vLLM's Scheduler, with vLLM's own
+    KV-cache manager (``engine`` "vllm") or kvproof's under ``base``'s rules, as
+    ``KVPROOF_MANAGER=kvproof`` serves it ("kvproof-vllm"). Raises ValueError when vLLM or
+    kvproof's manager refuses the configuration or cannot schedule a request in the pool."""
     from kvproof.integrations.vllm.engine_harness import EngineHarness, HarnessStalled
 
     layout = config_layout(base, dcp, pool)
     expanded = tuple(g.group for g in layout.groups)
     fits = largest_request(expanded, dcp, pool.num_blocks - 1, base.max_model_len, options.max_num_batched_tokens)
-    harness = EngineHarness(
-        layout, pool.num_blocks, max_num_batched_tokens=options.max_num_batched_tokens,
-        max_num_seqs=min(options.max_num_seqs, options.max_num_batched_tokens), use_eagle=options.use_eagle,
-    )
+    try:
+        harness = EngineHarness(
+            layout, pool.num_blocks, max_num_batched_tokens=options.max_num_batched_tokens,
+            max_num_seqs=min(options.max_num_seqs, options.max_num_batched_tokens), use_eagle=options.use_eagle,
+            manager_class=_manager_class(engine, base),
+        )
+    except ValueError as e:
+        raise ValueError(f"{ENGINE_NAMES[engine]} at DCP {dcp}: {e}") from None
     started = time.perf_counter()
     prompt_len: dict[str, int] = {}
     prefill = 0
@@ -72,9 +96,9 @@ def run_config_vllm(
                 if on_request_done is not None:
                     on_request_done()
     except HarnessStalled as e:
-        raise ValueError(f"vLLM at DCP {dcp}: {e}") from None
+        raise ValueError(f"{ENGINE_NAMES[engine]} at DCP {dcp}: {e}") from None
     except (AssertionError, RuntimeError) as e:  # vLLM refusing the configuration deep inside
-        raise ValueError(f"vLLM at DCP {dcp} failed: {type(e).__name__}: {e}") from None
+        raise ValueError(f"{ENGINE_NAMES[engine]} at DCP {dcp} failed: {type(e).__name__}: {e}") from None
     result = harness.result()
     cached = result.num_cached_tokens
     return ConfigReport(
@@ -99,6 +123,7 @@ def run_config_vllm(
         largest_request=fits,
         violations=[],
         seconds=time.perf_counter() - started,
-        engine="vllm",
+        engine=engine,
+        eviction=base.eviction if engine == "kvproof-vllm" else "lru",
         notes=list(result.disagreements),
     )

@@ -93,6 +93,11 @@ _COMMAND_FLAGS = {
              "--max-num-batched-tokens": (st.sampled_from(["16", "512", "8192"]), hostile_numbers),
              "--max-num-seqs": (st.sampled_from(["1", "4", "256"]), hostile_numbers),
              "--layers": (st.sampled_from(["12,36", "1,1"]), st.sampled_from(["", "1_2,36", "0,1", "12"])),
+             "--model": (st.sampled_from(["llama", "jamba", "qwen3-next"]), st.sampled_from(["nope", "", "/", "kimi"])),
+             "--tensor-parallel-size": (st.sampled_from(["1", "2"]), hostile_numbers),
+             "--objective": (st.sampled_from(["hit-rate", "per-gpu", "target-hit=5"]),
+                             st.sampled_from(["", "best", "target-hit=0", "target-hit=x"])),
+             "--gpus": (st.sampled_from(["1", "8"]), hostile_numbers),
              "--memory-sweep": (st.sampled_from(["0.01", "0.02,0.04"]), st.sampled_from(["1e3", "x", "", "-1"])),
              "--jobs": (st.just("1"), st.sampled_from(_HOSTILE_NUMBERS)),  # never dozens of processes
              "--eagle": None, "--no-partial-hash-hits": None, "--json": None},
@@ -318,14 +323,16 @@ def _prog(argv: list[str]) -> str:
     return f"kvproof {command}" if command in _COMMAND_FLAGS else "kvproof"
 
 
-def check_run(command: str, argv: list[str], reach, tmp: str, stdout: str = "reader") -> None:
+def check_run(command: str, argv: list[str], reach, tmp: str, stdouts=("reader",)) -> None:
     before = set(os.listdir(tmp))
     code, _, err = _run_in_process(argv, "reader")
     check_outcome(argv, code, err)
-    if stdout != "reader":
-        got = _run_in_process(argv, stdout)
-        assert (got[0], _timeless(got[2])) == _timeless_pair(expected_with(stdout, _prog(argv), code, err)), (argv, stdout)
-        reach(f"stdout {stdout}")
+    for stdout in stdouts:
+        if stdout != "reader":
+            got = _run_in_process(argv, stdout)
+            want = _timeless_pair(expected_with(stdout, _prog(argv), code, err))
+            assert (got[0], _timeless(got[2])) == want, (argv, stdout)
+            reach(f"stdout {stdout}")
     assert set(os.listdir(tmp)) == before, (argv, set(os.listdir(tmp)) - before)
     helpers = _helpers()
     assert set(_children()) <= helpers, (argv, _children(), helpers)  # no rank outlives its run
@@ -369,12 +376,14 @@ FUZZ_SETTINGS = dict(
 )
 
 
-def _run_one(command: str, data, tmp: str, trace_path: str, reach) -> None:
+def _run_one(command: str, data, tmp: str, trace_path: str, reach, every_stdout: bool = False) -> None:
+    """One drawn case, into a reader and then into a drawn stdout -- or, with ``every_stdout``
+    (commands with few cases), into each way output can be lost."""
     if command != "geometry":
         with open(trace_path, "wb") as f:
             f.write(data.draw(trace_bytes(), label="trace"))
-    stdout = data.draw(st.sampled_from(STDOUTS), label="stdout")
-    check_run(command, data.draw(argument_lists(command, trace_path), label="argv"), reach, tmp, stdout)
+    stdouts = STDOUTS[1:] if every_stdout else [data.draw(st.sampled_from(STDOUTS), label="stdout")]
+    check_run(command, data.draw(argument_lists(command, trace_path), label="argv"), reach, tmp, stdouts)
 
 
 @pytest.mark.parametrize("command", ["geometry", "replay"])
@@ -392,7 +401,7 @@ def test_fuzz_in_process(reach, private_tmp, tmp_path, command, data):
 @given(data=st.data())
 def test_fuzz_plan_and_prove_in_process(reach, private_tmp, tmp_path, command, data):
     reach.minimums = {f"{command} exit 2": 10, f"{command} exit 0": 6, "stdout closed": 3, "stdout full": 3}
-    _run_one(command, data, private_tmp, str(tmp_path / "trace.jsonl"), reach)
+    _run_one(command, data, private_tmp, str(tmp_path / "trace.jsonl"), reach, every_stdout=True)
 
 
 @settings(max_examples=25, **FUZZ_SETTINGS)
@@ -495,7 +504,7 @@ def _real_case(command: str, reach, tmp_path, data) -> None:
 
 @pytest.mark.skipif(not LINUX, reason="reads the process table in /proc")
 @pytest.mark.parametrize("command", ["geometry", "replay", "plan", "prove"])
-@settings(max_examples=8, **FUZZ_SETTINGS)
+@settings(max_examples=10, **FUZZ_SETTINGS)
 @given(data=st.data())
 def test_fuzz_real_processes(reach, tmp_path, command, data):
     """Real ``kvproof`` processes, each drawn case twice: reading the trace file into a reader,

@@ -106,3 +106,37 @@ def test_recommendation_names_the_measured_best(plan):
 def test_real_traffic_shows_no_false_cliff(plan_json, dcp):
     found = ids(plan_json("--limit", "60", "--dcp", dcp, "--kv-memory-gib", "400"))
     assert not found & {"hash-unit-too-coarse", "max-model-len-below-block", "partial-hits-off", "auto-raised-block-size"}
+
+
+def _remedies(data, diagnosis_id):
+    (d,) = [d for d in data["diagnoses"] if d["id"] == diagnosis_id]
+    return d, {r["flags"]: r for r in d["remedies"]}
+
+
+def test_remedies_are_replayed_and_only_those_that_help_are_offered(plan_json):
+    """On real traffic the cliff's remedies are replayed: keeping every state helps, and its hit
+    rate is what a plan with that flag measures; the checkpoint adds nothing here (kvproof already
+    keeps junction states), so neither it nor the combination is offered."""
+    argv = ["--model", "qwen3-next", "--tensor-parallel-size", "8", "--limit", "300", "--dcp", "1", "--jobs", "1"]
+    data = plan_json(*argv)
+    d, tried = _remedies(data, "mamba-checkpoint-cliff")
+    assert set(tried) == {"--retention-interval none", "--shared-prefix-checkpoint",
+                          "--retention-interval none --shared-prefix-checkpoint"}
+    keep = tried["--retention-interval none"]
+    direct = plan_json(*argv, "--retention-interval", "none")["configs"][0]
+    assert keep["offered"] and keep["gain"] > 0.01 and keep["hit_rate"] == direct["hit_rate"]
+    assert keep["gain"] == pytest.approx(direct["hit_rate"] - data["configs"][0]["hit_rate"], abs=2e-6)  # each rounded to 6 places
+    assert not tried["--shared-prefix-checkpoint"]["offered"]
+    assert not tried["--retention-interval none --shared-prefix-checkpoint"]["offered"]
+    assert "replayed: --retention-interval none -> " in d["message"] and "shared-prefix" not in d["message"]
+
+
+def test_a_remedy_that_does_not_help_is_not_offered(plan_json):
+    """One 2,000-token shared prompt: a finer hash unit lets attention restore more, but no Mamba
+    state sits at 2,000 with or without the checkpoint, so the plan says no remedy helps."""
+    data = plan_json("--generate", "--system-prompts", "1", "--system-prompt-len", "2000-2000", "--continuation", "0",
+                     "--requests", "300", "--dcp", "1", "--jobs", "1")
+    d, tried = _remedies(data, "hash-unit-too-coarse")
+    assert "--hash-block-size 16" in tried and not any(r["offered"] for r in tried.values())
+    assert d["message"].endswith("replayed, no remedy helps (tried: --hash-block-size 16, --shared-prefix-checkpoint, "
+                                 "--hash-block-size 16 --shared-prefix-checkpoint)")

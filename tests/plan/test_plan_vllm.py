@@ -1,5 +1,6 @@
-"""``kvproof plan --engine vllm``: vLLM 0.33.0's own scheduler beside kvproof, its hits equal to
-the vLLM harness run directly on the same trace (marker vllm)."""
+"""``kvproof plan --engine vllm``: vLLM 0.33.0's Scheduler beside kvproof's replay, with vLLM's own
+manager and with kvproof's, each row's numbers equal to the vLLM harness run directly on the same
+trace with the manager its ``vllm serve`` command names (marker vllm)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,25 @@ from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
 
 
-def test_vllm_rows_match_the_harness(tmp_path, plan_cli):
+def _manager_of(command: str):
+    """The manager class a row's ``vllm serve`` command runs: None (vLLM's own) or kvproof's with
+    the command's ``KVPROOF_OPTIONS``, read back by kvproof's own option parser."""
+    import functools
+    import shlex
+
+    from kvproof.integrations.vllm import serving_options
+    from kvproof.integrations.vllm.kvproof_manager import KvproofKVCacheManager
+    from kvproof.integrations.vllm.plugin import manager_choice
+
+    words = shlex.split(command)
+    env = dict(w.split("=", 1) for w in words[: words.index("vllm")])
+    if manager_choice(env.get("KVPROOF_MANAGER", "")) == "vllm":
+        return None
+    return functools.partial(KvproofKVCacheManager, options=serving_options.parse(env.get(serving_options.ENV)))
+
+
+@pytest.mark.parametrize("eviction", ["lru", "compute"])
+def test_vllm_rows_match_the_harness(tmp_path, plan_cli, eviction):
     from kvproof.integrations.vllm.engine_harness import EngineHarness
 
     shared = list(range(300))
@@ -26,16 +45,20 @@ def test_vllm_rows_match_the_harness(tmp_path, plan_cli):
         for i in range(6)
     ))
     argv = ["--trace", str(path), "--group", "full_attention:16", "--group", "mamba:32", "--max-model-len", "2048",
-            "--dcp", "1,2", "--num-blocks", "300", "--engine", "vllm", "--json", "--no-progress"]
+            "--dcp", "1,2", "--num-blocks", "300", "--engine", "vllm", "--eviction", eviction, "--json", "--no-progress"]
     done = plan_cli(*argv)
     assert done.returncode == 0 and done.stderr == "", done.stderr
     data = json.loads(done.stdout)
     assert [c["engine"] for c in data["configs"]] == ["kvproof", "kvproof"]
-    assert [(c["engine"], c["dcp"]) for c in data["vllm_configs"]] == [("vllm", 1), ("vllm", 2)]
+    assert [(c["engine"], c["dcp"], c["eviction"]) for c in data["vllm_configs"]] == [
+        ("vllm", 1, "lru"), ("kvproof-vllm", 1, eviction), ("vllm", 2, "lru"), ("kvproof-vllm", 2, eviction)]
+    assert [("KVPROOF_MANAGER=kvproof" in c["serve"], "eviction=compute" in c["serve"]) for c in data["vllm_configs"]] == [
+        (False, False), (True, eviction == "compute")] * 2
     for c in data["vllm_configs"]:
         layout = resolve_layout(LayoutConfig(
             (CacheGroup(GroupKind.FULL_ATTENTION, 16), CacheGroup(GroupKind.MAMBA, 32)), dcp=c["dcp"], max_model_len=2048))
-        result = EngineHarness(layout, 300, max_num_batched_tokens=8192, max_num_seqs=256).run(read_trace(str(path)))
+        result = EngineHarness(layout, 300, max_num_batched_tokens=8192, max_num_seqs=256,
+                               manager_class=_manager_of(c["serve"])).run(read_trace(str(path)))
         assert c["cached_tokens"] == sum(result.num_cached_tokens.values()) > 0
         assert c["requests_with_hit"] == sum(1 for n in result.num_cached_tokens.values() if n)
         assert (c["cow_copies"], c["evictions"], c["preemptions"]) == (result.copies, result.evictions, result.preemptions)
