@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvproof.integrations.vllm import serving_options  # noqa: E402
 from kvproof.planner.serve_command import MODEL_PLACEHOLDER, serve_command  # noqa: E402
 from kvproof.spec.groups import CacheGroup, GroupKind, MambaCacheMode  # noqa: E402
 from kvproof.spec.layout import LayoutConfig  # noqa: E402
@@ -25,7 +26,17 @@ def parse():
     ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
 
     def run(text: str):
+        """The engine arguments of a command line; its leading ``NAME=VALUE`` environment (kvproof's
+        manager) must be what the plugin accepts."""
         argv = shlex.split(text.replace(MODEL_PLACEHOLDER, "some-model"))
+        env = {}
+        while argv and "=" in argv[0]:
+            name, value = argv.pop(0).split("=", 1)
+            env[name] = value
+        if env:
+            assert env.pop("KVPROOF_MANAGER") == "kvproof"
+            serving_options.parse(env.pop(serving_options.ENV, ""))  # raises on a bad value
+            assert not env, env
         assert argv[:2] == ["vllm", "serve"]
         ns = parser.parse_args(argv[1:])
         ns.model = ns.model_tag
