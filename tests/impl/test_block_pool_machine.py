@@ -62,6 +62,16 @@ def _outcome(call):
 #: append-only growth that keeps the block's older keys as prefix keys (keep).
 CACHE_KINDS = ["full", "full keep", "partial", "partial keep", "replace"]
 
+
+def _pool_verb(pool: BlockPool, full: bool, keep: bool, replace: bool):
+    """The pool verb for a caching call the spec makes with flags (one verb per intent)."""
+    if replace:
+        return pool.replace_key
+    if full:
+        return pool.extend_full if keep else pool.cache_full
+    return pool.extend_partial if keep else pool.cache_partial
+
+
 tokens_strategy = st.lists(st.integers(0, 2), min_size=H, max_size=4 * H).map(lambda t: tuple(t[: len(t) - len(t) % H]))
 
 
@@ -232,12 +242,11 @@ class PoolMachine(RuleBasedStateMachine):
         key, n = ck.key, ck.num_tokens
         # A caller keeps older keys only when it appends: the new prefix continues the block's.
         keep = kind.endswith("keep") and self._continues(block, ck.names)
-        if kind.startswith("full"):
-            got = _outcome(lambda: self.pool.cache_full(block, key, n, keep_prefixes=keep))
+        full, replace = kind.startswith("full"), kind == "replace"
+        got = _outcome(lambda: _pool_verb(self.pool, full, keep, replace)(block, key, n))
+        if full:
             expected = _outcome(lambda: spec.cache_full(self.model, block, key, n, keep))
         else:
-            replace = kind == "replace"
-            got = _outcome(lambda: self.pool.cache_partial(block, key, n, replace=replace, keep_prefixes=keep))
             expected = _outcome(lambda: spec.cache_partial(self.model, block, key, n, replace, keep))
         if expected[0] == "ok":
             self.model, result = expected[1]
@@ -344,11 +353,10 @@ class PoolMachine(RuleBasedStateMachine):
         return found
 
     def _cache_both(self, block, key, n, full, keep):
+        got = _pool_verb(self.pool, full, keep, replace=False)(block, key, n)
         if full:
-            got = self.pool.cache_full(block, key, n, keep_prefixes=keep)
             self.model, expected = spec.cache_full(self.model, block, key, n, keep)
         else:
-            got = self.pool.cache_partial(block, key, n, keep_prefixes=keep)
             self.model, expected = spec.cache_partial(self.model, block, key, n, False, keep)
         assert got == expected, (block, n, full, got, expected)
         return got
