@@ -47,7 +47,7 @@ def bytes_per_prefix_key(blocks: int = 2000, keys_per_block: int = 8) -> float:
         for b in held:
             for i in range(1, per_block + 1):
                 key = (hashlib.sha256(f"{b}/{i}".encode()).digest(), 0)
-                pool.cache_partial(b, key, i, keep_prefixes=True)
+                pool.extend_partial(b, key, i)
         used = tracemalloc.get_traced_memory()[0] - before
         tracemalloc.stop()
         return used

@@ -228,13 +228,22 @@ class HybridCoordinator:
     # --- after the step -------------------------------------------------------------------------
 
     def cache(self, request: Request, num_computed: int) -> None:
-        """Mutates. Key what the step computed in every group, unless the request is idle there."""
+        """Mutates. After the step, unless the request is idle: in every group, key what the step
+        computed, then release what it no longer reads.
+
+        The one place that fixes the order, keying first: a block released after it is keyed
+        joins the free queue as a cached block (hittable, evicted last), where released first it
+        would be an uncached one (reused first, its contents lost). A sliding window keys its
+        last full blocks before they leave the window; Mamba moves its key to the copy (and keys
+        its new state) before it releases the copy and the old state."""
         running = self._running[request.request_id]  # the facade refuses a request not running
         if num_computed <= running.idle_until:
             return
         managers = self.managers
         for m in managers:
-            m.cache(request, num_computed)
+            m.key(request, num_computed)
+        for m in managers:
+            m.release(request, num_computed)
         running.idle_until = min([m.idle_until(request, num_computed) for m in managers])
 
     def free(self, request: Request) -> None:

@@ -207,7 +207,8 @@ class KVCacheManager:
 
     def cache(self, request: Request) -> None:
         """Mutates. After the forward pass: key what it computed (``request.num_computed_tokens``
-        must already count the step's tokens) and release blocks the step no longer needs."""
+        must already count the step's tokens), then release blocks the step no longer needs
+        (the order and why: ``HybridCoordinator.cache``)."""
         if not self.coordinator.is_running(request):
             raise ValueError(
                 f"request {request.request_id!r} holds no blocks (freed, or never allocated); "
@@ -231,7 +232,7 @@ class KVCacheManager:
     # --- checks ---------------------------------------------------------------------------------
 
     def check_request(self, request: Request) -> None:
-        """Per-request invariants between steps (``MambaManager.cache`` runs the same check
+        """Per-request invariants between steps (``MambaManager.release`` runs the same check
         after every step, skipping it when the row did not move)."""
         for m in self._mamba_managers:
             m.check_real_blocks(request)

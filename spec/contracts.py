@@ -6,9 +6,9 @@ Contracts come in two tiers (docs/spec.md, "Tiers"):
 
 The slow switch is the one place that says whether slow-tier checks run. It starts from the
 environment (``ICONTRACT_SLOW=1``; the test suite sets it) and is read at call time, so it can
-be flipped at any moment: :func:`set_slow`, or :func:`slow_checks` for a block. Slow-tier
-icontract conditions are attached with :func:`slow_tier`, whose wrapper costs one branch per
-call while the switch is off.
+be flipped at any moment: :func:`set_slow`, or :func:`slow_checks` for a block. Each icontract
+condition names its tier where it is declared (:func:`ensure`, :func:`snapshot` with ``tier=``);
+a slow-tier condition costs one branch per call while the switch is off.
 """
 
 from __future__ import annotations
@@ -46,20 +46,72 @@ def slow_checks(on: bool = True) -> Iterator[None]:
         set_slow(before)
 
 
-def slow_tier(checked: Callable) -> Callable:
-    """Make the icontract conditions stacked under this decorator slow-tier: they run only while
-    the slow switch is on, decided at each call; with it off a call costs one branch more than
-    the bare function. Give those conditions ``enabled=True`` so that ``python -O`` does not
-    remove them when the switch asks for them. Cheap conditions go above this decorator."""
-    bare = inspect.unwrap(checked)
+CHEAP = "cheap"
+SLOW = "slow"
+TIERS = (CHEAP, SLOW)
 
-    @functools.wraps(bare)
-    def dispatch(*args, **kwargs):
-        if _slow:
-            return checked(*args, **kwargs)
-        return bare(*args, **kwargs)
 
-    return dispatch
+def ensure(condition: Callable, description: str, *, tier: str) -> Callable[[Callable], Callable]:
+    """An icontract postcondition of tier ``tier`` (:data:`CHEAP`: always on; :data:`SLOW`:
+    while the slow switch is on). Stacks with :func:`snapshot` and other :func:`ensure` in any
+    order. After a call the cheap conditions are checked first (they name the broken rule most
+    precisely), then the slow ones, each tier in icontract's order."""
+    import icontract  # local: keeps this module import-light for the CLI
+
+    return _declare(tier, lambda: icontract.ensure(condition, description, enabled=True))
+
+
+def snapshot(capture: Callable, name: str, *, tier: str) -> Callable[[Callable], Callable]:
+    """An icontract snapshot (``OLD.<name>``) taken only where conditions of tier ``tier`` run."""
+    import icontract
+
+    return _declare(tier, lambda: icontract.snapshot(capture, name=name, enabled=True))
+
+
+def _declare(tier: str, make: Callable[[], Callable]) -> Callable[[Callable], Callable]:
+    """A decorator adding the condition ``make`` builds, of ``tier``, to a function: it rebuilds
+    the function's two variants -- cheap conditions only, and every condition -- from the bare
+    function and all conditions declared on it so far, and picks one per call by the switch."""
+    if tier not in TIERS:
+        raise ValueError(f"contract tier {tier!r} must be one of {', '.join(TIERS)}")
+
+    def add(fn: Callable) -> Callable:
+        bare = getattr(fn, "__contract_bare__", fn)
+        declared = [(tier, make), *getattr(fn, "__contract_tiers__", ())]  # top first
+        always = _wrap(bare, [m for t, m in declared if t == CHEAP])
+        everything = _wrap(_opaque(always, bare), [m for t, m in declared if t == SLOW])
+
+        @functools.wraps(bare)
+        def dispatch(*args, **kwargs):
+            if _slow:
+                return everything(*args, **kwargs)
+            return always(*args, **kwargs)
+
+        dispatch.__contract_bare__ = bare
+        dispatch.__contract_tiers__ = tuple(declared)
+        return dispatch
+
+    return add
+
+
+def _opaque(fn: Callable, like: Callable) -> Callable:
+    """``fn`` behind a plain function with ``like``'s signature and no ``__wrapped__``, so that
+    icontract gives conditions added over it a checker of their own instead of joining ``fn``'s."""
+
+    def call(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    call.__signature__ = inspect.signature(like)
+    call.__name__, call.__qualname__, call.__doc__ = like.__name__, like.__qualname__, like.__doc__
+    return call
+
+
+def _wrap(bare: Callable, makers: list) -> Callable:
+    """``bare`` under the given icontract decorators (listed top first), applied bottom up."""
+    wrapped = bare
+    for make in reversed(makers):
+        wrapped = make()(wrapped)
+    return wrapped
 
 
 class InvariantViolation(AssertionError):
@@ -87,7 +139,7 @@ def guard_like(real, body):
     Used by tests and proof canaries to show that a contract has teeth: a deliberately wrong
     formula with the same signature, guarded like the real one, must be rejected.
     """
-    import icontract  # local: keeps this module import-light for the CLI
+    import icontract
 
     guarded = body
     for contract in reversed(getattr(real, "__postconditions__", [])):

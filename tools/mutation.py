@@ -61,6 +61,10 @@ TESTS = {
     "spec/contracts.py": ("tests/spec/test_contracts.py::test_slow_switch_is_read_at_call_time_both_ways",
                           "tests/spec/test_contracts.py::test_slow_switch_takes_only_a_bool",
                           "tests/spec/test_contracts.py::test_cheap_conditions_stay_on_with_the_switch_off",
+                          "tests/spec/test_contracts.py::test_the_tier_declared_with_a_condition_decides_when_it_runs",
+                          "tests/spec/test_contracts.py::test_a_condition_of_either_tier_fires_when_its_switch_lets_it_run",
+                          "tests/spec/test_contracts.py::test_a_snapshot_is_taken_only_where_its_tier_runs",
+                          "tests/spec/test_contracts.py::test_an_unknown_tier_is_refused_naming_it",
                           "tests/spec/test_contracts.py::test_the_switch_starts_from_icontract_slow",
                           "tests/spec/test_contracts.py::test_replay_slow_turns_the_switch_on_for_the_run",
                           "tests/impl/test_block_pool_contracts.py", "tests/spec/test_geometry_contracts.py",
@@ -82,6 +86,8 @@ SCHEDULER_TESTS = ("tests/impl/test_mutants_coordinator.py", "tests/impl/test_mu
                    "tests/impl/test_mutants_sliding_window.py",
                    "tests/impl/test_coordinator_scenarios.py", "tests/impl/test_admission.py", "tests/impl/test_retention.py",
                    "tests/impl/test_oracle_teeth.py", "tests/impl/test_idle_steps.py", "tests/impl/test_coordinator_machine.py")
+for _module in ("impl/free_list.py", "impl/key_index.py", "impl/eviction_queue.py"):
+    TESTS[_module] = TESTS["impl/block_pool.py"]  # the pool's parts: judged by the pool's tests
 for _module in ("impl/coordinator.py", "impl/managers/base.py", "impl/managers/full_attention.py", "impl/managers/mamba.py",
                 "impl/managers/sliding_window.py"):
     TESTS[_module] = SCHEDULER_TESTS

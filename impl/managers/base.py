@@ -4,9 +4,10 @@ step's ledger (copies, hit references, blocks allocated and keyed), and freeing.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvproof.impl.block_pool import NULL_BLOCK, BlockPool
+from kvproof.impl.key_index import Key
 from kvproof.impl.eviction import EvictionValuer
 from kvproof.impl.hashing import key_at
 from kvproof.impl.request import Request
@@ -158,11 +159,11 @@ class SingleTypeManager:
         return range((start // a + 1) * a, min(end, request.hashed_len) + 1, a)
 
     def idle_until(self, request: Request, num_computed: int) -> int:
-        """The largest token count T such that, right after ``cache(request, num_computed)``,
-        ``allocate`` of any total in ``(num_computed, T]`` takes nothing and returns no
-        entries, and ``cache`` of any such count changes nothing: the steps the coordinator
-        may skip this group for (most decode steps). No state change. This default skips
-        nothing."""
+        """The largest token count T such that, right after ``key`` and ``release`` of
+        ``num_computed``, ``allocate`` of any total in ``(num_computed, T]`` takes nothing and
+        returns no entries, and ``key`` and ``release`` of any such count change nothing: the
+        steps the coordinator may skip this group for (most decode steps). No state change.
+        This default skips nothing."""
         return num_computed
 
     def check_width(self, request: Request, total_tokens: int) -> None:
@@ -207,9 +208,14 @@ class SingleTypeManager:
         entries to append to the worker row (this default: fresh blocks at the end)."""
         return self._grow(self.requests[request.request_id].row, total_tokens)
 
-    def cache(self, request: Request, num_computed: int) -> None:
-        """Mutates. Key what the forward pass just computed (called after the step ran)."""
+    def key(self, request: Request, num_computed: int) -> None:
+        """Mutates. Key what the forward pass just computed (called after the step ran, before
+        :meth:`release`; the order: ``HybridCoordinator.cache``)."""
         raise NotImplementedError
+
+    def release(self, request: Request, num_computed: int) -> None:
+        """Mutates. Release the blocks the request no longer reads now that the step ran (vLLM's
+        ``remove_skipped_blocks``). This default releases nothing: a row that only grows."""
 
     def free(self, request: Request) -> None:
         """Mutates. Drop the request's references, tail first (its tail is evicted first)."""
@@ -233,15 +239,16 @@ class SingleTypeManager:
         table.extend(new)
         return new
 
-    def _key_full_blocks(self, request: Request, table: list[int], first: int, last: int, keep_prefixes: bool = False) -> None:
+    def _key_full_blocks(self, request: Request, table: list[int], first: int, last: int, attach: Callable[[int, Key, int], bool]) -> None:
         """Mutates. Give blocks ``first .. last-1`` of ``table`` their full-block keys (the fine
-        hash at each block's end); null entries are skipped. ``keep_prefixes``: the blocks'
-        partial keys stay as prefix keys (append-only KV)."""
+        hash at each block's end) with the pool verb ``attach`` (``cache_full``: the blocks'
+        partial keys are retired; ``extend_full``: they stay as prefix keys); null entries are
+        skipped."""
         b, h, gid = self.effective_block_size, self.hash_block_size, self.group_id
-        hashes, cache_full, keyed = request.block_hashes, self.pool.cache_full, self.ledger.keyed
+        hashes, keyed = request.block_hashes, self.ledger.keyed
         for j in range(first, last):
             blk = table[j]
-            if blk != NULL_BLOCK and cache_full(blk, key_at(hashes, (j + 1) * b, h, gid), (j + 1) * b, keep_prefixes):
+            if blk != NULL_BLOCK and attach(blk, key_at(hashes, (j + 1) * b, h, gid), (j + 1) * b):
                 keyed.add(blk)
 
     def _fresh(self, n: int) -> list[int]:

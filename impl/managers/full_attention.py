@@ -33,9 +33,9 @@ class FullAttentionManager(SingleTypeManager):
     inside the block -- at every hash boundary the forward pass wrote (``attention_keys``
     ``every-hash``, INV-KEYS-EVERY-HASH), or only at each step's last computed hash boundary
     (``chunk-ends``, vLLM's rule). The KV is append-only, so the block keeps its earlier keys as
-    prefix keys (the pool's ``keep_prefixes``): a request that diverges inside the block still
-    finds the longest prefix it shares that has a key. They leave with the block (eviction
-    drops them all).
+    prefix keys (the pool's extending verbs, ``extend_full``, ``extend_partial``, ``grow_keys``):
+    a request that diverges inside the block still finds the longest prefix it shares that has a
+    key. They leave with the block (eviction drops them all).
     """
 
     def __init__(self, *args, attention_keys: str = "every-hash", **kwargs) -> None:
@@ -121,7 +121,7 @@ class FullAttentionManager(SingleTypeManager):
 
     # --- caching --------------------------------------------------------------------------------
 
-    def cache(self, request: Request, num_computed: int) -> None:
+    def key(self, request: Request, num_computed: int) -> None:
         state = self.requests[request.request_id]
         table = state.row
         b, h = self.effective_block_size, self.hash_block_size
@@ -136,16 +136,16 @@ class FullAttentionManager(SingleTypeManager):
             self._key_every_hash(table, hashes, partial_done, boundary)
             state.full_keyed, state.partial_keyed = max(full, full_done), boundary
             return
-        self._key_full_blocks(request, table, full_done, full, keep_prefixes=True)
+        self._key_full_blocks(request, table, full_done, full, self.pool.extend_full)
         if self._probe_partial and boundary % b and boundary > partial_done:
             blk = table[boundary // b]
-            if self.pool.cache_partial(blk, key_at(hashes, boundary, h, self.group_id), boundary, keep_prefixes=True):
+            if self.pool.extend_partial(blk, key_at(hashes, boundary, h, self.group_id), boundary):
                 self.ledger.keyed.add(blk)
             partial_done = boundary
         state.full_keyed, state.partial_keyed = max(full, full_done), partial_done
 
     def _next_key(self, state: AttentionRequest) -> int:
-        """The least hashed length at which ``cache`` has something new to key for this
+        """The least hashed length at which ``key`` has something new to key for this
         request: the end of the first block without its full key or, with partial hits, the
         hash boundary after the last one keyed. No state change."""
         nxt = (state.full_keyed + 1) * self.effective_block_size

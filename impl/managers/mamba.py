@@ -27,9 +27,10 @@ class MambaRequest(GroupRequest):
     * ``released``: compute policy only, the cached states it released while running (block,
       key), requeued when it ends so they are not evicted before the attention chain they
       complete;
-    * for the running step, settled by ``cache``: ``pending_move`` (its cached state block and
-      the copy the key moves to once the step has run) and ``superseded`` (the row index of
-      the old state, which the step still reads, -1 if none).
+    * for the running step, settled once it has run: ``pending_move`` (its cached state block
+      and the copy the key moves to, in ``key``; the copy is released in ``release``) and
+      ``superseded`` (the row index of the old state, which the step still reads, released in
+      ``release``; -1 if none).
     """
 
     __slots__ = ("state_index", "junctions", "checked_below", "released", "pending_move", "superseded")
@@ -185,21 +186,47 @@ class MambaManager(SingleTypeManager):
 
     # --- after the step -------------------------------------------------------------------------
 
-    def cache(self, request: Request, num_computed: int) -> None:
+    def key(self, request: Request, num_computed: int) -> None:
+        """The cached state block's key moves to its copy first (the running request goes on
+        writing the block), then the new state is keyed if retention keeps it."""
+        rid = request.request_id
+        state = self.requests[rid]
+        pool = self.pool
+        if state.pending_move is not None:
+            pool.move_key(*state.pending_move)
+        n, b, h = num_computed, self.effective_block_size, self.hash_block_size
+        index = state.state_index
+        expected_index = self._state_index_after(n)
+        if expected_index != index:
+            raise InvariantViolation(
+                "INV-MAMBA-STATE-INDEX",
+                f"request {rid!r}, group {self.group_id}: state after {n} tokens must be at index "
+                f"{expected_index}, the table's state is at {index}",
+            )
+        if not self._keeps(request, state.junctions, n):
+            return
+        block = state.row[index]
+        key = key_at(request.block_hashes, n, h, self.group_id)
+        if n % b == 0:
+            if pool.key_of(block) != key and pool.cache_full(block, key, n):
+                self.ledger.keyed.add(block)
+        elif pool.replace_key(block, key, n):
+            self.ledger.keyed.add(block)
+        if self.valuer is not None and pool.key_of(block) == key:
+            self.valuer.note_state(rid, self.group_id, n)
+
+    def release(self, request: Request, num_computed: int) -> None:
+        """The copy that took the key, and the old state the step read."""
         rid = request.request_id
         state = self.requests[rid]
         table = state.row
         pool = self.pool
-        moved = state.pending_move
-        if moved is not None:
+        if state.pending_move is not None:
+            copy = state.pending_move[1]
             state.pending_move = None
-            cached, copy = moved
-            pool.move_key(cached, copy)
             pool.free([copy], self._values(rid, [copy]))  # the copy is held by the cache only: evictable, hittable
             if self.valuer is not None:
                 state.released.append((copy, pool.key_of(copy)))
-        index = state.state_index
-        # Release the old state: the step that read it ran.
         below = state.superseded
         if below >= 0:
             state.superseded = -1
@@ -208,35 +235,15 @@ class MambaManager(SingleTypeManager):
             if self.valuer is not None and pool.key_of(old) is not None:
                 state.released.append((old, pool.key_of(old)))
             table[below] = NULL_BLOCK
-        n, b, h = num_computed, self.effective_block_size, self.hash_block_size
-        expected_index = self._state_index_after(n)
-        if expected_index != index:
-            raise InvariantViolation(
-                "INV-MAMBA-STATE-INDEX",
-                f"request {rid!r}, group {self.group_id}: state after {n} tokens must be at index "
-                f"{expected_index}, the table's state is at {index}",
-            )
+        index = state.state_index
         if state.checked_below != index or len(table) - index > self._real_limit:
             self.check_real_blocks(request)  # INV-MAMBA-REAL-BLOCKS, skipped when nothing moved
-        if not self._keeps(request, state.junctions, n):
-            return
-        block = table[index]
-        key = key_at(request.block_hashes, n, h, self.group_id)
-        if n % b == 0:
-            if pool.key_of(block) != key and pool.cache_full(block, key, n):
-                self.ledger.keyed.add(block)
-        elif pool.cache_partial(block, key, n, replace=True):
-            self.ledger.keyed.add(block)
-        if self.valuer is not None and pool.key_of(block) == key:
-            self.valuer.note_state(rid, self.group_id, n)
 
     def idle_until(self, request: Request, num_computed: int) -> int:
         """Until the state leaves its block or reaches a hash boundary (where ``_keeps`` may
         key it); never while the state block is cached (the next step writes it in place and
-        must copy it first) or a copy or a release is pending."""
+        must copy it first). Asked after ``release``, so no copy or release is pending."""
         state = self.requests[request.request_id]
-        if state.pending_move is not None or state.superseded >= 0:
-            return num_computed
         index = state.state_index
         if self.pool.key_of(state.row[index]) is not None:
             return num_computed

@@ -63,13 +63,15 @@ class SlidingWindowManager(SingleTypeManager):
         self._grow(table, total_tokens)
         return list(table)
 
-    def cache(self, request: Request, num_computed: int) -> None:
+    def key(self, request: Request, num_computed: int) -> None:
         state = self.requests[request.request_id]
-        table = state.row
         full = min(num_computed, request.hashed_len) // self.effective_block_size
-        self._key_full_blocks(request, table, state.full_keyed, full)
+        self._key_full_blocks(request, state.row, state.full_keyed, full, self.pool.cache_full)
         state.full_keyed = max(full, state.full_keyed)
-        # Blocks wholly before the next token's window are no longer read.
+
+    def release(self, request: Request, num_computed: int) -> None:
+        """Blocks wholly before the next token's window are no longer read."""
+        table = self.requests[request.request_id].row
         out = [j for j in range(self._first_needed(num_computed)) if table[j] != NULL_BLOCK]
         if out:
             released = [table[j] for j in reversed(out)]

@@ -92,7 +92,7 @@ def test_inv_keys_per_block_fires_on_a_key_off_the_block_grid():
     table = kv.coordinator.managers[0].row("p")
     assert kv.check_state()
     # A key naming 12 tokens on the first block (which spans [0, 8)): more than it holds.
-    kv.pool.cache_partial(table[0], ("bogus", 0), 12, keep_prefixes=True)
+    kv.pool.extend_partial(table[0], ("bogus", 0), 12)
     with pytest.raises(InvariantViolation, match="INV-KEYS-PER-BLOCK"):
         kv.check_state()
 

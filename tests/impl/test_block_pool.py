@@ -192,14 +192,14 @@ def test_promoted_tail_lets_the_manager_skip_the_pool():
 
 def test_mamba_partial_tail_registers_unless_superseded():
     """Mamba H 2, B 6, prompt 10: a fresh state block takes K(10); one already holding a later
-    state (12) refuses it; replace=True (the state was rewritten) takes it regardless."""
+    state (12) refuses it; replace_key (the state was rewritten) takes it regardless."""
     fine = hashes_of(range(12))
     pool = BlockPool(4)
     fresh, later = pool.allocate(2)
     assert pool.cache_partial(fresh, key_at(fine, 10, H, 1), 10) is True
     pool.cache_partial(later, key_at(fine, 12, H, 1), 12)
     assert pool.cache_partial(later, key_at(fine, 8, H, 1), 8) is None
-    assert pool.cache_partial(later, key_at(fine, 8, H, 1), 8, replace=True) is True
+    assert pool.replace_key(later, key_at(fine, 8, H, 1), 8) is True
     assert pool.lookup(key_at(fine, 12, H, 1)) is None
 
 

@@ -62,6 +62,16 @@ def _outcome(call):
 #: append-only growth that keeps the block's older keys as prefix keys (keep).
 CACHE_KINDS = ["full", "full keep", "partial", "partial keep", "replace"]
 
+
+def _pool_verb(pool: BlockPool, full: bool, keep: bool, replace: bool):
+    """The pool verb for a caching call the spec makes with flags (one verb per intent)."""
+    if replace:
+        return pool.replace_key
+    if full:
+        return pool.extend_full if keep else pool.cache_full
+    return pool.extend_partial if keep else pool.cache_partial
+
+
 tokens_strategy = st.lists(st.integers(0, 2), min_size=H, max_size=4 * H).map(lambda t: tuple(t[: len(t) - len(t) % H]))
 
 
@@ -97,6 +107,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.content: dict[int, Optional[tuple]] = {}  # block -> (salt, tokens, group) it holds
         self.keys_seen: dict[tuple, tuple] = {}  # key -> the content it names
         self.requests: list[Request] = []
+        self.fresh = 0  # salts handed out by _key_fresh
 
     # --- prefixes ------------------------------------------------------------------------------
 
@@ -146,20 +157,24 @@ class PoolMachine(RuleBasedStateMachine):
         if order and cached[0] != order[0]:
             REACH("compute: evicted out of release order")
 
-    @rule(target=blocks, n=st.integers(0, 4))
-    def allocate(self, n):
+    def _allocate(self, n) -> list[int]:
+        """Allocate ``n`` blocks on both sides (none if too few are free); the caller holds them."""
         got = self.pool.allocate(n)
         expected = spec.allocate(self.model, n)
         if expected is None:
             assert got is None
-            return multiple()
+            return []
         self._label_eviction(expected[1])
         self.model, taken = expected
         assert tuple(got) == taken, "allocate order differs from the spec"
         for b in got:
             self.held.append(b)
             self.content[b] = None  # fresh block: garbage until written
-        return multiple(*got)
+        return list(got)
+
+    @rule(target=blocks, n=st.integers(0, 4))
+    def allocate(self, n):
+        return multiple(*self._allocate(n))
 
     @precondition(lambda self: self.held)
     @rule(data=st.data())
@@ -184,6 +199,39 @@ class PoolMachine(RuleBasedStateMachine):
         self.model = spec.free(self.model, chosen, values)
         for i in sorted(picks, reverse=True):
             del self.held[i]
+
+    def _sole_held(self) -> list[int]:
+        """Held blocks whose one reference is the test's: freeing them releases them."""
+        return [b for b in dict.fromkeys(self.held) if self.model.ref[b] == 1]
+
+    def _key_fresh(self, block: int) -> None:
+        """Cache a key no other block holds (a salt of its own) on a held uncached block."""
+        self.fresh += 1
+        p = _prefix(f"fresh-{self.fresh}", (0,) * H)
+        key, named = key_at(p.hashes, H, H, 0), (p.salt, p.tokens, 0)
+        self.keys_seen[key] = named
+        assert self._cache_both(block, key, H, full=True, keep=False) is True
+        self.content[block] = named
+
+    @precondition(lambda self: self.policy == COMPUTE and len(self._sole_held()) >= 2)
+    @rule(target=blocks, data=st.data(), value=st.sampled_from([2.5, 10.0]))
+    def evict_past_valuable(self, data, value):
+        """The compute policy's hard case end to end, on a full pool: take every free block,
+        release a valuable cached block and then a cheap one (and maybe an uncached one), and
+        allocate one block past the uncached: the cheap later one must go first (INV-EVICT-MIN,
+        INV-EVICT-UNCACHED-FIRST), the valuable one stays."""
+        valuable, cheap = data.draw(st.permutations(self._sole_held()))[:2]
+        for b in (valuable, cheap):
+            if self.model.key[b] is None:
+                self._key_fresh(b)
+        drained = self._allocate(len(self.model.free))
+        released = [valuable, cheap] + ([drained.pop()] if drained and data.draw(st.booleans()) else [])
+        for b in released:
+            self.held.remove(b)
+        values = [value, 0.0, 0.0][: len(released)]
+        self.pool.free(released, values)
+        self.model = spec.free(self.model, released, values)
+        return multiple(*drained, *self._allocate(len(released) - 1))
 
     @rule(block=st.one_of(blocks, st.integers(-1, 9)))
     def free_any(self, block):
@@ -232,12 +280,11 @@ class PoolMachine(RuleBasedStateMachine):
         key, n = ck.key, ck.num_tokens
         # A caller keeps older keys only when it appends: the new prefix continues the block's.
         keep = kind.endswith("keep") and self._continues(block, ck.names)
-        if kind.startswith("full"):
-            got = _outcome(lambda: self.pool.cache_full(block, key, n, keep_prefixes=keep))
+        full, replace = kind.startswith("full"), kind == "replace"
+        got = _outcome(lambda: _pool_verb(self.pool, full, keep, replace)(block, key, n))
+        if full:
             expected = _outcome(lambda: spec.cache_full(self.model, block, key, n, keep))
         else:
-            replace = kind == "replace"
-            got = _outcome(lambda: self.pool.cache_partial(block, key, n, replace=replace, keep_prefixes=keep))
             expected = _outcome(lambda: spec.cache_partial(self.model, block, key, n, replace, keep))
         if expected[0] == "ok":
             self.model, result = expected[1]
@@ -330,6 +377,22 @@ class PoolMachine(RuleBasedStateMachine):
                 REACH(f"{self.policy}: requeued a cached block")
             self.model = expected[1]
 
+    def _cached_free(self) -> list[int]:
+        return [b for b in self.model.free if self.model.key[b] is not None]
+
+    @precondition(lambda self: self._cached_free())
+    @rule(data=st.data())
+    def requeue_cached(self, data):
+        """Requeue evictable cached blocks (the case ``requeue`` exists for: a hit found them
+        again), in any order, with values under compute."""
+        listed = data.draw(st.lists(st.sampled_from(self._cached_free()), min_size=1, max_size=3))
+        values = self._values(data, listed)
+        got = self.pool.requeue(listed, values)
+        expected = spec.requeue(self.model, listed, values)
+        assert got == len(dict.fromkeys(listed)), (listed, got)
+        REACH(f"{self.policy}: requeued a cached block")
+        self.model = expected
+
     @rule()
     def reset(self):
         got = self.pool.reset()
@@ -344,11 +407,10 @@ class PoolMachine(RuleBasedStateMachine):
         return found
 
     def _cache_both(self, block, key, n, full, keep):
+        got = _pool_verb(self.pool, full, keep, replace=False)(block, key, n)
         if full:
-            got = self.pool.cache_full(block, key, n, keep_prefixes=keep)
             self.model, expected = spec.cache_full(self.model, block, key, n, keep)
         else:
-            got = self.pool.cache_partial(block, key, n, keep_prefixes=keep)
             self.model, expected = spec.cache_partial(self.model, block, key, n, False, keep)
         assert got == expected, (block, n, full, got, expected)
         return got

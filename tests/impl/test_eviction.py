@@ -122,6 +122,45 @@ def test_a_valuable_block_outlives_a_cheap_one_released_after_it():
 # --- each INV-EVICT-* contract fires -------------------------------------------------------------
 
 
+def test_evicting_a_released_cached_block_makes_it_the_last_uncached_one():
+    """compute: a free cached block whose keys are dropped leaves the heap for the uncached
+    queue's tail, so it is handed out after the uncached blocks freed before it."""
+    pool = BlockPool(4, COMPUTE)
+    a, b, c = pool.allocate(3)
+    pool.cache_full(a, ("k", a), 4)
+    pool.free([a, b], [5.0, 0.0])  # a: cached, in the heap; b: uncached, at the queue's head
+    assert pool.evict([a]) == 1
+    assert pool.priority(a) is None and pool.free_order() == (b, a) and pool._check()
+    pool.free([c])
+    assert pool.allocate(3) == [c, b, a]
+
+
+def test_compacting_the_heap_keeps_every_live_entry():
+    """compute: hits and releases of one block leave stale heap entries; once they outnumber the
+    live ones the heap is rebuilt from the live entries alone, in the same order."""
+    pool = BlockPool(4, COMPUTE)
+    a, b = pool.allocate(2)
+    for x in (a, b):
+        pool.cache_full(x, ("k", x), 4)
+    pool.free([b, a], [0.0, 0.0])
+    for _ in range(80):  # each round: a's entry goes stale, a new one is pushed
+        pool.touch([a])
+        pool.free([a], [0.0])
+    assert len(pool._queue._heap) < 80  # rebuilt at least once
+    assert pool._check() and pool.free_order() == (3, b, a)
+
+
+def test_check_sees_a_live_entry_counter_that_disagrees_with_the_heap():
+    """INV-POOL-CONSERVE: the heap's live entries, as marked per block, and their count agree."""
+    pool = BlockPool(3, COMPUTE)
+    (a,) = pool.allocate(1)
+    pool.cache_full(a, ("k", a), 4)
+    pool.free([a], [1.0])
+    pool._queue._num_live += 1
+    with pytest.raises(InvariantViolation, match="INV-POOL-CONSERVE: 1 live heap entries, 1 blocks marked, counter 2"):
+        pool._queue.check()
+
+
 def test_eviction_min_catches_an_allocate_that_ignores_priority(monkeypatch):
     """INV-EVICT-MIN (slow tier): a heap pop replaced by taking the last entry is caught."""
     module = pool_module(monkeypatch, ("            prio, seq, b = heapq.heappop(heap)\n", "            prio, seq, b = heap.pop()\n"))
@@ -140,7 +179,7 @@ def test_uncached_first_catches_a_cached_block_in_the_uncached_queue():
     (a,) = pool.allocate(1)
     pool.cache_full(a, ("k", a), 4)
     pool.free([a], [1.0])
-    pool._link_last(a)  # corrupt: the cached block is also linked into the uncached queue
+    pool._queue._uncached.push_back([a])  # corrupt: the cached block is also linked into the uncached queue
     with pytest.raises(InvariantViolation, match="INV-EVICT-UNCACHED-FIRST"):
         pool._check()
     with pytest.raises(InvariantViolation, match="INV-EVICT-UNCACHED-FIRST"):
@@ -154,8 +193,9 @@ def test_clock_catches_a_priority_below_its_release_number():
     for x in (a, b):
         pool.cache_full(x, ("k", x), 4)
     pool.free([a, b], [0.0, 0.0])  # released as 0 and 1
-    pool._heap[:] = [(-5.0, pool._hseq[a], a), (1.0, pool._hseq[b], b)]
-    pool._prio[a] = -5.0
+    queue = pool._queue
+    queue._heap[:] = [(-5.0, queue._live_seq[a], a), (1.0, queue._live_seq[b], b)]
+    queue._prio[a] = -5.0
     with pytest.raises(InvariantViolation, match="INV-EVICT-CLOCK"):
         pool._check()
     with pytest.raises(InvariantViolation, match="INV-EVICT-CLOCK"):

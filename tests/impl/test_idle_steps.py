@@ -167,6 +167,17 @@ def test_idle_steps_change_nothing(config, trace, num_blocks, budget, eagle, rea
         reach("preempted")
 
 
+def test_a_request_not_running_is_idle_nowhere():
+    """``HybridCoordinator.idle_until`` of a request never admitted, or freed, is 0: no step of it skips."""
+    config = LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, 4),), max_model_len=512)
+    kv = KVCacheManager(resolve_layout(config), 64)
+    r = Request("r", tuple(range(6)), kv.layout.hash_block_size)
+    assert kv.coordinator.idle_until(r) == 0
+    assert run_chunk(kv, r, 6).blocks is not None and kv.coordinator.idle_until(r) > 6
+    kv.free(r)
+    assert kv.coordinator.idle_until(r) == 0
+
+
 def test_a_claimed_idle_range_that_needs_blocks_is_caught():
     """INV-IDLE-STEP: a manager whose ``idle_until`` overstates its range (here attention
     claiming every length idle, so its row would stop growing) is caught on the first skipped
@@ -205,13 +216,14 @@ def test_only_the_steps_that_need_a_block_or_complete_one_reach_the_manager(monk
     config = LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, 4),), max_model_len=512)
     kv = KVCacheManager(resolve_layout(config), 64)
     manager = kv.coordinator.managers[0]
-    grown, cached = [], []
-    grow, cache = manager.grow, manager.cache
+    grown, keyed, released = [], [], []
+    grow, key, release = manager.grow, manager.key, manager.release
     monkeypatch.setattr(manager, "grow", lambda request, total: grown.append(total) or grow(request, total))
-    monkeypatch.setattr(manager, "cache", lambda request, n: cached.append(n) or cache(request, n))
+    monkeypatch.setattr(manager, "key", lambda request, n: keyed.append(n) or key(request, n))
+    monkeypatch.setattr(manager, "release", lambda request, n: released.append(n) or release(request, n))
     _decode(kv, Request("r", tuple(range(6)), kv.layout.hash_block_size), 6, 16)
     assert grown == [8, 9, 12, 13, 16]
-    assert cached == [6, 8, 9, 12, 13, 16]
+    assert keyed == released == [6, 8, 9, 12, 13, 16]
 
 
 @pytest.mark.parametrize("computed, idle_until", [

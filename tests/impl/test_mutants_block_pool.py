@@ -1,6 +1,6 @@
 """The block pool at edges tools/mutation.py found unreached (docs/testing.md, "Surviving
 mutants"): growth by more than two hash boundaries at once, bad block ids with the slow tier on,
-and a key named by two blocks refused at another length."""
+a key named by two blocks refused at another length, and a key of one token."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ def test_growth_by_three_boundaries_makes_the_last_the_primary_with_the_slow_tie
 @pytest.mark.parametrize("verb, call", [
     ("cache_full", lambda pool, b: pool.cache_full(b, ("k", 0), 2)),
     ("cache_partial", lambda pool, b: pool.cache_partial(b, ("k", 0), 2)),
+    ("extend_full", lambda pool, b: pool.extend_full(b, ("k", 0), 2)),
+    ("extend_partial", lambda pool, b: pool.extend_partial(b, ("k", 0), 2)),
+    ("replace_key", lambda pool, b: pool.replace_key(b, ("k", 0), 2)),
     ("grow_keys", lambda pool, b: pool.grow_keys(b, [(("k", 0), 2)])),
 ])
 @pytest.mark.parametrize("block", [-1, 4, 99])
@@ -44,8 +47,8 @@ def _key_named_by_two_blocks():
     pool = BlockPool(5)
     pool.allocate(3)
     pool.cache_full(1, ("k", 0), 4)
-    pool.cache_partial(2, ("k", 0), 4, keep_prefixes=True)
-    pool.cache_full(2, ("k6", 0), 6, keep_prefixes=True)
+    pool.extend_partial(2, ("k", 0), 4)
+    pool.extend_full(2, ("k6", 0), 6)
     assert pool.holders(("k", 0)) == (1, 2)
     return pool
 
@@ -53,6 +56,7 @@ def _key_named_by_two_blocks():
 @pytest.mark.parametrize("verb, call", [
     ("cache_full", lambda pool: pool.cache_full(3, ("k", 0), 2)),
     ("cache_partial", lambda pool: pool.cache_partial(3, ("k", 0), 2)),
+    ("replace_key", lambda pool: pool.replace_key(3, ("k", 0), 2)),
     ("grow_keys", lambda pool: pool.grow_keys(3, [(("k", 0), 2)])),
 ])
 def test_a_key_held_twice_refuses_another_length_naming_what_a_hit_on_it_returns(verb, call):
@@ -68,6 +72,7 @@ def test_a_key_held_twice_refuses_another_length_naming_what_a_hit_on_it_returns
 @pytest.mark.parametrize("verb, call", [
     ("cache_full", lambda pool: pool.cache_full(3, ("k", 0), 2)),
     ("cache_partial", lambda pool: pool.cache_partial(3, ("k", 0), 2)),
+    ("replace_key", lambda pool: pool.replace_key(3, ("k", 0), 2)),
     ("grow_keys", lambda pool: pool.grow_keys(3, [(("k", 0), 2)])),
 ])
 def test_a_key_whose_oldest_holder_keeps_it_as_a_prefix_key_is_named_with_its_own_length(verb, call):
@@ -75,10 +80,27 @@ def test_a_key_whose_oldest_holder_keeps_it_as_a_prefix_key_is_named_with_its_ow
     the refusal still names the 4 tokens the key stands for, not the holder's primary length."""
     pool = BlockPool(5)
     pool.allocate(3)
-    pool.cache_partial(1, ("k", 0), 4, keep_prefixes=True)
-    pool.cache_full(1, ("k6", 0), 6, keep_prefixes=True)
+    pool.extend_partial(1, ("k", 0), 4)
+    pool.extend_full(1, ("k6", 0), 6)
     assert pool.holders(("k", 0)) == (1,) and pool.key_of(1) == ("k6", 0)
     with pytest.raises(ValueError, match=re.escape(f"INV-POOL-KEY-LENGTH: {verb}: key already names a 4-token prefix "
                                                    "(block 1), not 2 tokens")):
         call(pool)
     assert pool.keys_of(3) == ()
+
+
+@pytest.mark.parametrize("verb", ["cache_full", "extend_full", "cache_partial", "extend_partial", "replace_key"])
+def test_every_keying_verb_takes_a_key_of_one_token(verb):
+    """The shortest prefix a key can name (H = 1): one token is a length, not a bad input."""
+    pool = BlockPool(3)
+    (b,) = pool.allocate(1)
+    assert getattr(pool, verb)(b, ("k1", 0), 1) is True
+    assert pool.keys_of(b) == ((("k1", 0), 1),)
+
+
+def test_a_prefix_key_of_one_token_is_well_formed():
+    pool = BlockPool(3)
+    (b,) = pool.allocate(1)
+    pool.extend_partial(b, ("k1", 0), 1)
+    pool.extend_full(b, ("k2", 0), 2)
+    assert pool.keys_of(b) == ((("k2", 0), 2), (("k1", 0), 1)) and pool._check()

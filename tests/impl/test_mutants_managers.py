@@ -1,7 +1,8 @@
 """The single-type managers at edges tools/mutation.py found unreached (docs/testing.md,
 "Surviving mutants"): copy sources that are not ready, speculative blocks, hits inside a block
 that end where they started, partial hits off with a hash finer than the block, an empty pool
-during a step that needs no block, and the bookkeeping checks firing on a manager gone wrong."""
+during a step that needs no block, a first chunk-end key, a freed request's per-request check,
+a Mamba state in mode 'none', and the bookkeeping checks firing on a manager gone wrong."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from kvproof.impl.managers.base import StepLedger
 from kvproof.impl.request import Request
 from kvproof.sim.drive import Step
 from kvproof.spec.contracts import InvariantViolation
-from kvproof.spec.groups import CacheGroup, GroupKind
+from kvproof.spec.groups import CacheGroup, GroupKind, MambaCacheMode
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 
 FA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA
@@ -299,6 +300,39 @@ def test_with_chunk_end_keys_a_completed_block_keeps_its_chunk_end_key():
     step(kv, a, 6)
     step(kv, a, 4)
     assert kv.lookup(Request("B", list(range(100, 106)) + [1, 2, 3], 2)).num_tokens == 6
+
+
+def test_with_chunk_end_keys_a_first_step_ending_on_the_first_hash_boundary_is_keyed():
+    """Chunk-end keys: nothing is keyed before a new request's first step, so a step of 2
+    tokens (one hash unit, inside a block of 8) keys 2 and a request sharing them hits 2."""
+    lay = layout(CacheGroup(FA, 8), hash_block_size=2, attention_keys="chunk-ends")
+    kv = KVCacheManager(lay, 16)
+    step(kv, Request("A", list(range(100, 116)), 2), 2)
+    assert kv.lookup(Request("B", list(range(100, 102)) + [1, 2, 3], 2)).num_tokens == 2
+
+
+def test_the_per_request_check_of_a_freed_mamba_request_finds_nothing_to_check():
+    """KVCacheManager.check_request of a request that holds no blocks in a Mamba group (freed)
+    raises nothing: INV-MAMBA-REAL-BLOCKS bounds the blocks a request holds."""
+    kv = KVCacheManager(layout(CacheGroup(FA, 8), CacheGroup(MAMBA, 8), hash_block_size=8), 32)
+    r = Request("A", list(range(100, 120)), 8)
+    step(kv, r, 16)
+    kv.check_request(r)
+    kv.free(r)
+    kv.check_request(r)
+
+
+def test_a_mamba_group_in_mode_none_never_keys_its_state():
+    """Mode 'none' keeps one running state nothing can resume from: after a prompt of two
+    attention blocks only the attention blocks carry keys, even with dense retention (which
+    would keep every state of a mode-'align' group)."""
+    mamba = CacheGroup(MAMBA, 8, mamba_cache_mode=MambaCacheMode.NONE)
+    kv = KVCacheManager(layout(CacheGroup(FA, 8), mamba, hash_block_size=8, retention_interval=None), 32)
+    r = Request("A", list(range(100, 116)), 8)
+    step(kv, r, 16)
+    attention, states = kv.block_table(r)
+    assert all(kv.pool.key_of(b) is not None for b in attention)
+    assert all(kv.pool.key_of(b) is None for b in states if b != NULL_BLOCK)
 
 
 def test_a_key_at_the_start_of_a_blocks_span_is_outside_it():

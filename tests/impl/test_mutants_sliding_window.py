@@ -43,6 +43,16 @@ def test_a_request_holds_only_the_blocks_of_its_next_tokens_window():
     assert held(kv) == 1
 
 
+def test_blocks_that_leave_the_window_in_the_step_that_completes_them_are_keyed_first():
+    """HybridCoordinator.cache keys before it releases: blocks 0 and 1, completed and out of the
+    next token's window in one step, leave as cached blocks, so a sharer of 9 tokens hits 8."""
+    kv = KVCacheManager(LAYOUT, 64)
+    prompt = list(range(100, 140))
+    step(kv, Request("A", prompt[:15], LAYOUT.hash_block_size), 15)
+    assert held(kv) == 2 and kv.coordinator.pool.num_cached_keys() == 3  # blocks 0, 1, 2
+    assert kv.lookup(Request("D", prompt[:9] + [1], LAYOUT.hash_block_size)).num_tokens == 8
+
+
 def test_a_hit_reaches_past_the_window_and_the_resumed_request_keeps_caching():
     kv = KVCacheManager(LAYOUT, 64)
     prompt = list(range(100, 140))

@@ -12,6 +12,7 @@ import icontract
 import pytest
 
 from kvproof.impl.block_pool import BlockPool
+from kvproof.impl.key_index import KeyIndex
 from kvproof.spec import contracts
 from kvproof.spec.contracts import InvariantViolation
 
@@ -20,7 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def corrupt(pool: BlockPool) -> None:
     """A keyless block that records a prefix length: only the whole-pool check sees it."""
-    pool._ntok[4] = 5
+    pool._index.ntok[4] = 5
 
 
 def test_slow_switch_is_read_at_call_time_both_ways():
@@ -48,13 +49,72 @@ def test_slow_switch_takes_only_a_bool():
 
 def test_cheap_conditions_stay_on_with_the_switch_off(monkeypatch):
     """evict's INV-POOL-PREFIX-KEYS postcondition is cheap (O(blocks touched)): always on."""
-    monkeypatch.setattr(BlockPool, "_drop_key", lambda self, b: None)
+    monkeypatch.setattr(KeyIndex, "drop", lambda self, b: None)
     with contracts.slow_checks(False):
         pool = BlockPool(4)
         (b,) = pool.allocate(1)
         pool.cache_full(b, ("k", 0), 2)
         with pytest.raises(icontract.ViolationError, match="INV-POOL-PREFIX-KEYS"):
             pool.evict([b])
+
+
+def _tiered():
+    """A function with one cheap and one slow postcondition, each recording that it ran."""
+    ran = []
+
+    @contracts.ensure(lambda result: ran.append("cheap") or True, "cheap ran", tier=contracts.CHEAP)
+    @contracts.ensure(lambda result: ran.append("slow") or True, "slow ran", tier=contracts.SLOW)
+    def f() -> int:
+        return 1
+
+    return f, ran
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_the_tier_declared_with_a_condition_decides_when_it_runs(slow):
+    """A cheap condition runs whatever the switch; a slow one only while it is on."""
+    f, ran = _tiered()
+    with contracts.slow_checks(slow):
+        assert f() == 1
+    assert sorted(ran) == (["cheap", "slow"] if slow else ["cheap"])
+
+
+@pytest.mark.parametrize("tier", [contracts.CHEAP, contracts.SLOW])
+def test_a_condition_of_either_tier_fires_when_its_switch_lets_it_run(tier):
+    @contracts.ensure(lambda result: result > 0, "INV-TOY: result must be positive", tier=tier)
+    def f() -> int:
+        return 0
+
+    with contracts.slow_checks(True):
+        with pytest.raises(icontract.ViolationError, match="INV-TOY"):
+            f()
+    with contracts.slow_checks(False):
+        if tier == contracts.CHEAP:
+            with pytest.raises(icontract.ViolationError, match="INV-TOY"):
+                f()
+        else:
+            assert f() == 0
+
+
+def test_a_snapshot_is_taken_only_where_its_tier_runs():
+    taken = []
+
+    @contracts.snapshot(lambda: taken.append(1) or 1, name="one", tier=contracts.SLOW)
+    @contracts.ensure(lambda OLD: OLD.one == 1, "slow reads OLD", tier=contracts.SLOW)
+    def f() -> None:
+        pass
+
+    with contracts.slow_checks(False):
+        f()
+    assert taken == []
+    with contracts.slow_checks(True):
+        f()
+    assert taken == [1]
+
+
+def test_an_unknown_tier_is_refused_naming_it():
+    with pytest.raises(ValueError, match="contract tier 'fast' must be one of cheap, slow"):
+        contracts.ensure(lambda: True, "x", tier="fast")
 
 
 # Each line: a bad call, and the start of the message it must raise. Run under `python -O`.
@@ -69,7 +129,8 @@ from kvproof.spec.layout import LayoutConfig, resolve_layout
 assert not __debug__, "this script must run under python -O"
 
 def snapshot(p):
-    return (list(p._ref), list(p._key), list(p._ntok), p.free_order(), dict((k, list(v)) for k, v in p._holders.items()))
+    keys = p._index
+    return (list(p._ref), list(keys.key), list(keys.ntok), p.free_order(), dict((k, list(v)) for k, v in keys.holders.items()))
 
 pool = BlockPool(4)
 pool.allocate(2)
