@@ -325,6 +325,7 @@ class CpuStagingExecutor(Executor):
         for found in self.model.violations[before:]:
             inv_id, _, detail = found.partition(": ")
             self.sink.report(inv_id, f"step {self.step}, {detail}")
+        self.sink.content_checked(sum(out.num_scheduled_tokens.values()))
         cached = out.scheduled_cached_reqs
         starts = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
         starts.update(zip(cached.req_ids, cached.num_computed_tokens))

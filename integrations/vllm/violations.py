@@ -13,7 +13,9 @@ it is one violation, not one per step). Of one invariant, at most :data:`DISTINC
 distinct violations are logged each in full; later ones are counted, and logged with the
 invariant's running count at the same powers of ten. Counts are Prometheus counters next to
 vLLM's: ``kvproof_violations_total{invariant=...}`` (distinct violations) and
-``kvproof_checked_steps_total``; they reach ``/metrics`` from the engine-core process only when
+``kvproof_checked_steps_total``, and from the CPU staging executor
+``kvproof_content_checked_tokens_total`` (the tokens whose forward-pass reads the content oracle
+checked, on every DCP rank); they reach ``/metrics`` from the engine-core process only when
 ``PROMETHEUS_MULTIPROC_DIR`` is set (docs/vllm.md), and a process creates them when it first
 counts, so that a process that never counts (the API server) shows no counter stuck at 0.
 """
@@ -93,6 +95,9 @@ class _Metrics:
             "kvproof_violations", "distinct kvproof invariant violations found inside vLLM", ["invariant"])
         self.checked_steps = PromCounter(
             "kvproof_checked_steps", "vLLM scheduler steps checked by kvproof")
+        self.content_checked_tokens = PromCounter(
+            "kvproof_content_checked_tokens",
+            "scheduled tokens whose forward-pass reads kvproof's content oracle checked on every DCP rank")
 
     @classmethod
     def get(cls) -> Optional["_Metrics"]:
@@ -156,3 +161,9 @@ class ViolationSink:
         metrics = _Metrics.get()
         if metrics is not None:
             metrics.checked_steps.inc()
+
+    def content_checked(self, num_tokens: int) -> None:
+        """The content oracle checked the reads of ``num_tokens`` scheduled tokens."""
+        metrics = _Metrics.get()
+        if metrics is not None and num_tokens:
+            metrics.content_checked_tokens.inc(num_tokens)

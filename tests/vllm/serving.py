@@ -168,7 +168,8 @@ class Server:
 
     def stop(self) -> tuple[int, list]:
         """SIGTERM, as an operator would (if still running); returns the exit status and any
-        process left, and removes the server's folder."""
+        process left, and removes the server's folder (its whole output stays in
+        ``final_output``)."""
         family = [self.proc.pid]
         if self.proc.poll() is None:
             family += [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
@@ -184,6 +185,8 @@ class Server:
             alive = [p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
         for pid in alive:  # do not leak into the rest of the test run
             os.kill(pid, signal.SIGKILL)
+        with open(self.log.name) as f:
+            self.final_output = f.read()
         shutil.rmtree(self.dir, ignore_errors=True)
         return code, alive
 

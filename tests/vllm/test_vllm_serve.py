@@ -95,6 +95,46 @@ def previous_run(metrics_dir: str) -> str:
     return left
 
 
+def serve_chats(server: Server, conversation):
+    """Send ``conversation`` (:func:`chats`) one request at a time, each done before the next,
+    then its last 64 prompts again (with their outputs) as a concurrent burst. Returns the trace
+    of the sequential requests, their usage replies by id, and the burst's usage replies."""
+    trace, usage = [], {}
+    step = conversation.send(None)
+    while True:  # one request at a time
+        rid, prompt, max_tokens = step
+        reply = server.complete(prompt, max_tokens)
+        output = tuple(reply["choices"][0]["token_ids"])
+        usage[rid] = reply["usage"]
+        trace.append(TraceRequest(rid, prompt, output, 1 + 40 * len(trace)))  # each done before the next
+        try:
+            step = conversation.send(output)
+        except StopIteration:
+            break
+    burst = [t for t in trace[-64:]]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # the same prompts again, overlapping
+        replies = list(pool.map(lambda t: server.complete(t.prompt + t.output, 2), burst))
+    assert all(r["choices"][0]["finish_reason"] == "length" for r in replies)
+    return trace, usage, [r["usage"] for r in replies]
+
+
+def cached(usage: dict) -> int:
+    return usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def model_layout(dcp: int):
+    """The tiny model's layout as the server builds it (vLLM's Mamba group comes first for this
+    model, as the server's log shows)."""
+    return resolve_layout(LayoutConfig((CacheGroup(GroupKind.MAMBA, BLOCK), CacheGroup(GroupKind.FULL_ATTENTION, BLOCK)),
+                                       dcp=dcp, max_model_len=MAX_LEN))
+
+
+def metric(metrics: str, name: str) -> float:
+    """The sum of a counter's samples in a /metrics text (0 if absent)."""
+    return sum(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "))
+
+
 @pytest.mark.parametrize("dcp, num_chats, turns", [(2, 40, 5), (4, 12, 5)])
 def test_vllm_serve_with_checks(dcp, num_chats, turns, tmp_path):
     metrics_dir = str(tmp_path / "prometheus")
@@ -106,35 +146,17 @@ def test_vllm_serve_with_checks(dcp, num_chats, turns, tmp_path):
         # The reused directory starts from zero: the earlier run's file is gone, its count with it.
         assert stale not in os.listdir(metrics_dir)
         assert "INV-FROM-AN-EARLIER-RUN" not in server.metrics()
-        trace, served = [], {}
-        conversation = chats(dcp, num_chats, turns)
-        step = conversation.send(None)
-        while True:  # one request at a time
-            rid, prompt, max_tokens = step
-            reply = server.complete(prompt, max_tokens)
-            output = tuple(reply["choices"][0]["token_ids"])
-            served[rid] = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
-            trace.append(TraceRequest(rid, prompt, output, 1 + 40 * len(trace)))  # each done before the next
-            try:
-                step = conversation.send(output)
-            except StopIteration:
-                break
-        burst = [t for t in trace[-64:]]
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # the same prompts again, overlapping
-            replies = list(pool.map(lambda t: server.complete(t.prompt + t.output, 2), burst))
-        assert all(r["choices"][0]["finish_reason"] == "length" for r in replies)
+        trace, usage, _ = serve_chats(server, chats(dcp, num_chats, turns))
+        served = {rid: cached(u) for rid, u in usage.items()}
         metrics = server.metrics()
     finally:
         code, left = server.stop()
     assert code == 0 and left == []
     # The checks ran inside the engine core and found nothing.
-    steps = [line for line in metrics.splitlines() if line.startswith("kvproof_checked_steps_total")]
-    assert steps and float(steps[0].split()[-1]) > len(trace)
+    assert metric(metrics, "kvproof_checked_steps_total") > len(trace)
     assert "kvproof_violations_total{" not in metrics
 
-    # vLLM's Mamba group comes first for this model (as the server's log shows).
-    layout = resolve_layout(LayoutConfig((CacheGroup(GroupKind.MAMBA, BLOCK), CacheGroup(GroupKind.FULL_ATTENTION, BLOCK)),
-                                         dcp=dcp, max_model_len=MAX_LEN))
+    layout = model_layout(dcp)
     junctions = Junctions()
     harness = EngineHarness(layout, NUM_BLOCKS, max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS, hooks=[junctions])
     assert harness.run(trace).num_cached_tokens == served
@@ -150,3 +172,51 @@ def test_vllm_serve_with_checks(dcp, num_chats, turns, tmp_path):
     for line in named:
         print("  " + str(line))
     assert None not in named, [rid for rid, n in zip(behind, named) if n is None]
+
+
+@pytest.mark.parametrize("dcp, num_chats, turns", [(2, 40, 5), (4, 12, 5)])
+def test_vllm_serve_with_kvproofs_manager(dcp, num_chats, turns):
+    """The same conversations served with kvproof's manager (``KVPROOF_MANAGER=kvproof``,
+    kvproof's rules) and the cheap checks. Stock vLLM's cached tokens come from vLLM's real
+    Scheduler and manager on the same trace (the engine harness, which
+    ``test_vllm_serve_with_checks`` shows equal to a served stock server). The requests are
+    sequential, so none is a same-step sharer of another's prefix (docs/vllm.md, "The price"):
+    none may cache fewer tokens than with vLLM's manager."""
+    server = Server(dcp, env={"KVPROOF_MANAGER": "kvproof"})
+    try:
+        server.wait_until_up()
+        trace, usage, burst = serve_chats(server, chats(dcp, num_chats, turns))
+        metrics = server.metrics()
+    finally:
+        code, left = server.stop()
+    output = server.final_output
+    assert code == 0 and left == []
+    assert "kvproof's KV-cache manager serves this engine" in output, output[-4000:]
+    # Nothing failed while serving. (At SIGTERM vLLM 0.33.0 stops its engine core with timeout 0
+    # and force-kills it; its API server's output handler may then log EngineDeadError.)
+    serving = output.partition("[shutdown] API server: shutdown triggered")[0]
+    assert " ERROR " not in serving and "INV-" not in output, output[-4000:]
+    # No leak at exit but nanobind's report of Triton's bindings, which the API server prints at
+    # interpreter exit with kvproof inert too (vLLM imports Triton on a CPU as well).
+    leaks = [line for line in output.splitlines() if "leak" in line.lower()]
+    assert all(line.startswith(("nanobind: ", " - leaked ", "See https://nanobind")) for line in leaks), leaks[:8]
+    assert "kvproof_violations_total{" not in metrics
+    # The content oracle checked the reads of every token the forward pass computed, on every
+    # rank: each request's uncached prompt tokens and every output token but the last (the last
+    # is sampled, never fed back), nothing recomputed.
+    replies = [*usage.values(), *burst]
+    assert metric(metrics, "vllm:num_preemptions_total") == 0
+    assert metric(metrics, "kvproof_content_checked_tokens_total") == sum(
+        u["prompt_tokens"] - cached(u) + u["completion_tokens"] - 1 for u in replies)
+
+    served = {rid: cached(u) for rid, u in usage.items()}
+    harness = EngineHarness(model_layout(dcp), NUM_BLOCKS, max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS)
+    stock = harness.run(trace).num_cached_tokens
+    behind = {rid: (served[rid], stock[rid]) for rid in served if served[rid] < stock[rid]}
+    ahead = sum(served[rid] > stock[rid] for rid in served)
+    print(f"\nDCP {dcp}, kvproof's manager: {len(trace)} sequential requests cached {sum(served.values())} tokens, "
+          f"stock vLLM {sum(stock.values())}; ahead on {ahead}, behind on {len(behind)}; burst of {len(burst)} "
+          f"cached {sum(map(cached, burst))}; the oracle checked "
+          f"{metric(metrics, 'kvproof_content_checked_tokens_total'):.0f} tokens")
+    assert behind == {}
+    assert sum(served.values()) > 0
