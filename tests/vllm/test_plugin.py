@@ -226,7 +226,7 @@ def test_kvproof_manager_serves_the_same_run_without_vllms_copy_hazard(contracts
     assert report["tables"] == report["copies"] == (contracts is not None)
 
 
-def test_kvproofs_manager_refuses_connectors_and_async_mamba_naming_the_change():
+def test_kvproofs_manager_refuses_connectors_async_and_drafts_over_mamba_naming_the_change():
     from types import SimpleNamespace
 
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -244,6 +244,9 @@ def test_kvproofs_manager_refuses_connectors_and_async_mamba_naming_the_change()
     assert "--no-async-scheduling" in plugin.serving_refusal(AsyncScheduler, plain, hybrid)
     assert plugin.serving_refusal(Scheduler, plain, hybrid) is None  # controls
     assert plugin.serving_refusal(AsyncScheduler, plain, attention) is None
+    drafting = SimpleNamespace(kv_transfer_config=None, speculative_config=object())
+    assert "drop --speculative-config" in plugin.serving_refusal(Scheduler, drafting, hybrid)
+    assert plugin.serving_refusal(Scheduler, drafting, attention) is None  # served (test_vllm_serve.py)
 
 
 _UNTESTED = textwrap.dedent("""
