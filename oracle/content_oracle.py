@@ -151,6 +151,24 @@ class ContentOracle:
         for chunk, rid, rows, prefix in work:
             self._read_attention(chunk, rid, rows, prefix)
 
+    def keep_state(self, request, n: int) -> None:
+        """After a step that ran draft tokens: the request's Mamba state blocks hold the state
+        after exactly its first ``n`` tokens (the recurrence kernel keeps the state after each
+        draft position; the last accepted one becomes the request's state, where the next chunk
+        reads it). ``request.token_ids`` holds at least ``n`` tokens."""
+        rid = request.request_id
+        rows = self.rows.get(rid)
+        if rows is None:
+            return
+        prefix = self._prefixes.get(rid)
+        if prefix is None or prefix.tokens is not request.token_ids:
+            prefix = self._prefixes[rid] = _Prefix(request.token_ids, request.cache_salt)
+        for g in self._state_groups:
+            row = rows[g.gid]
+            i = _table_index(n - 1, g.block_size, self.dcp, False) if g.cacheable else 0
+            if i < len(row):
+                self._states[(g.gid, row[i])] = (prefix, n)
+
     def forget(self, request) -> None:
         """Drop a finished or preempted request's row and identity (its blocks' contents stay)."""
         rid = request.request_id

@@ -20,7 +20,13 @@ workers are stood in for, all TP ranks in the engine-core process. Each rank:
   ``KVPROOF_ON_VIOLATION``).
 
 Sampling is deterministic: the next token is a fixed function of the sequence so far
-(:func:`next_token`), never the model's EOS id.
+(:func:`next_token`), never the model's EOS id. With speculative decoding configured
+(``--speculative-config``, e.g. ``{"method": "mtp", "num_speculative_tokens": 2}``: no draft
+model is loaded) the executor stands in for the drafter too: after each step it proposes, for
+every request that sampled, drafts derived from its tokens by a fixed rule that gets some wrong
+(:func:`draft_tokens`); a step verifies them against :func:`next_token` as a rejection sampler
+would -- the drafts up to the first wrong one are accepted, then one token is sampled -- so vLLM
+rolls back the rejected ones, deterministically.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from vllm.config import set_current_vllm_config
 from vllm.model_executor.model_loader.utils import get_model_architecture
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.worker.block_table import MultiGroupBlockTable, SlotMappingMode
 from vllm.v1.worker.worker_base import CompilationTimes
 
@@ -82,6 +88,34 @@ def next_token(token_ids: list[int], vocab_size: int, eos_token_id: Optional[int
     """The token the stand-in model samples after ``token_ids`` (pure)."""
     token = (31 * token_ids[-1] + 17 * len(token_ids) + 7) % vocab_size
     return (token + 1) % vocab_size if token == eos_token_id else token
+
+
+def draft_tokens(token_ids: list[int], k: int, vocab_size: int, eos_token_id: Optional[int]) -> list[int]:
+    """The ``k`` draft tokens the stand-in drafter proposes after ``token_ids`` (pure): each is
+    :func:`next_token` of the drafted sequence, except where the sequence's length is 3 modulo 4,
+    where it is the token after that one (a wrong draft: it and every draft after it are
+    rejected)."""
+    sequence, drafts = list(token_ids), []
+    for _ in range(k):
+        token = next_token(sequence, vocab_size, eos_token_id)
+        if len(sequence) % 4 == 3:
+            token = (token + 1) % vocab_size
+            token = (token + 1) % vocab_size if token == eos_token_id else token
+        drafts.append(token)
+        sequence.append(token)
+    return drafts
+
+
+def verify_drafts(token_ids: list[int], drafts, vocab_size: int, eos_token_id: Optional[int]) -> list[int]:
+    """What a step with ``drafts`` scheduled after ``token_ids`` samples (pure): the drafts up to
+    the first that differs from :func:`next_token`, then the next token after them."""
+    sequence, accepted = list(token_ids), []
+    for draft in drafts:
+        if draft != next_token(sequence, vocab_size, eos_token_id):
+            break
+        accepted.append(draft)
+        sequence.append(draft)
+    return accepted + [next_token(sequence, vocab_size, eos_token_id)]
 
 
 def model_kv_cache_specs(vllm_config) -> dict[str, object]:
@@ -184,7 +218,7 @@ class _Rank:
         return None
 
     def take_draft_token_ids(self):
-        return None
+        return self.executor.take_drafts() if self.rank == 0 else None
 
     def check_health(self) -> None:
         pass
@@ -243,6 +277,9 @@ class CpuStagingExecutor(Executor):
         self.vocab_size = self.model_config.get_vocab_size()
         self.eos_token_id = getattr(self.model_config.hf_text_config, "eos_token_id", None)
         self.step = 0
+        spec = self.vllm_config.speculative_config
+        self.num_draft_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self._proposals: Optional[DraftTokenIds] = None
         self.kv_cache_bytes = self._kv_cache_bytes()
 
     def _kv_cache_bytes(self) -> int:
@@ -329,18 +366,31 @@ class CpuStagingExecutor(Executor):
         cached = out.scheduled_cached_reqs
         starts = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
         starts.update(zip(cached.req_ids, cached.num_computed_tokens))
-        req_ids, sampled = [], []
+        spec = out.scheduled_spec_decode_tokens or {}
+        req_ids, sampled, proposed = [], [], []
         for rid, n in out.num_scheduled_tokens.items():
             tokens = self.model.requests[rid].token_ids
+            drafts = spec.get(rid, ())
             req_ids.append(rid)
-            if starts[rid] + n >= len(tokens):
-                token = next_token(tokens, self.vocab_size, self.eos_token_id)
-                self.model.sampled(rid, [token])
-                sampled.append([token])
+            if starts[rid] + n - len(drafts) >= len(tokens):
+                new = verify_drafts(tokens, drafts, self.vocab_size, self.eos_token_id)
+                self.model.sampled(rid, new)
+                sampled.append(new)
+                if self.num_draft_tokens:
+                    proposed.append(draft_tokens(tokens, self.num_draft_tokens, self.vocab_size, self.eos_token_id))
             else:
                 sampled.append([])
+                proposed.append([])
+        if self.num_draft_tokens:
+            self._proposals = DraftTokenIds(req_ids, proposed)
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled)
+
+    def take_drafts(self) -> Optional[DraftTokenIds]:
+        """Mutates: the drafts proposed after the last step (once), or None without speculative
+        decoding."""
+        proposals, self._proposals = self._proposals, None
+        return proposals
 
 
 def _done(value) -> Future:

@@ -9,9 +9,9 @@ so installing kvproof changes nothing in production.
 ``KVPROOF_MANAGER=kvproof`` (``vllm`` or unset: vLLM's own) binds the name vLLM's Scheduler
 builds its manager with to kvproof's (``kvproof_manager.KvproofKVCacheManager``), after
 validating ``KVPROOF_OPTIONS`` (``serving_options``); a Scheduler with a KV connector
-(``--kv-transfer-config``: real connectors call vLLM's block-pool API) or an async Scheduler over
-Mamba groups is refused at construction with one line saying what to change. With it, ``KVPROOF_CONTRACTS``
-keeps its worker-side checks below; on the scheduler side kvproof's manager runs its own
+(``--kv-transfer-config``: real connectors call vLLM's block-pool API), an async Scheduler or
+speculative decoding over Mamba groups is refused at construction with one line saying what to
+change. With it, ``KVPROOF_CONTRACTS`` keeps its worker-side checks below; on the scheduler side kvproof's manager runs its own
 contracts (cheap always; ``slow`` turns on the slow tier, ``spec.contracts.set_slow``) in place
 of the checks of vLLM's manager, which read vLLM's internals.
 
@@ -152,6 +152,11 @@ def serving_refusal(scheduler_cls: type, vllm_config, kv_cache_config) -> Option
         # Keys follow the step's output; by then the next step may be overwriting the Mamba
         # state block a key would name.
         refusal = "keys Mamba states only with synchronous scheduling: add --no-async-scheduling, or"
+    elif getattr(vllm_config, "speculative_config", None) is not None and kv_cache_config.has_mamba_layers:
+        # Its Mamba manager advances the state block through the draft slots; vLLM rolls rejected
+        # drafts back behind it (found serving: INV-MAMBA-STATE-INDEX at the next keying).
+        refusal = ("does not serve speculative decoding over Mamba groups (rejected drafts move the state back "
+                   "a block): drop --speculative-config, or")
     else:
         return None
     return f"kvproof's manager {refusal} unset KVPROOF_MANAGER to serve with vLLM's manager"

@@ -45,12 +45,17 @@ TINY_QWEN3_NEXT = {
 }
 
 
-def write_tiny_model(directory: str) -> str:
-    """Mutates the file system: writes ``config.json`` into ``directory`` (created if needed).
-    Returns ``directory``."""
+#: The same model with full attention in every layer (no Mamba group).
+ATTENTION_ONLY = {"layer_types": ["full_attention", "full_attention"]}
+
+
+def write_tiny_model(directory: str, overrides: dict | None = None) -> str:
+    """Mutates the file system: writes ``config.json`` (:data:`TINY_QWEN3_NEXT`, updated with
+    ``overrides``, e.g. :data:`ATTENTION_ONLY`) into ``directory`` (created if needed). Returns
+    ``directory``."""
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(TINY_QWEN3_NEXT, f, indent=1)
+        json.dump(TINY_QWEN3_NEXT | (overrides or {}), f, indent=1)
     return directory
 
 

@@ -8,6 +8,12 @@ forward writes each scheduled token's KV (or a Mamba chunk's end state) and read
 attention / the recurrence needs. vLLM's copies carry no group (one pool: a block id names the
 same block in every group's tensors), so each copy is applied in every group.
 
+Draft tokens (speculative decoding) are written as what they are: a step with drafts writes
+the KV of the request's tokens followed by its drafts, so a rejected draft's KV is another
+prefix's and any later read of it is a violation; once the step's output says how many were
+accepted (``sampled``), the Mamba state after the last accepted token is the request's state
+(``ContentOracle.keep_state``).
+
 The worker never sees a request's cache salt (vLLM folds it into the block hashes only), so
 prefix identities here are token prefixes: the oracle catches wrong, stale and not-yet-written
 reads, not a hit across two tenants with identical tokens (the hashes separate those).
@@ -39,6 +45,8 @@ class WorkerModel:
         self.layout = layout
         self.oracle = ContentOracle(layout)
         self.requests: dict[str, _Tokens] = {}
+        #: request -> (first position, drafts) of its step that ran drafts, until its output
+        self._drafted: dict[str, tuple[int, int]] = {}
         self.num_groups = len(layout.groups)
         self.step = 0
 
@@ -51,6 +59,7 @@ class WorkerModel:
         self.step += 1
         for rid in out.finished_req_ids:
             req = self.requests.pop(rid, None)
+            self._drafted.pop(rid, None)
             if req is not None:
                 self.oracle.forget(req)
         chunks = []
@@ -59,10 +68,15 @@ class WorkerModel:
             req = self.requests[new.req_id] = _Tokens(new.req_id, list(new.prompt_token_ids))
             chunks.append(ScheduledChunk(req, new.num_computed_tokens, n[new.req_id], new.block_ids, True))
         cached = out.scheduled_cached_reqs
+        spec = out.scheduled_spec_decode_tokens or {}
         for i, rid in enumerate(cached.req_ids):
             req = self.requests[rid]
             resumed = rid in cached.resumed_req_ids
             blocks = cached.new_block_ids[i] or tuple([] for _ in range(self.num_groups))
+            drafts = spec.get(rid)
+            if drafts:  # the KV written is that of the tokens followed by the drafts
+                self._drafted[rid] = (cached.num_computed_tokens[i], len(drafts))
+                req = _Tokens(rid, req.token_ids + list(drafts))
             chunks.append(ScheduledChunk(req, cached.num_computed_tokens[i], n[rid], blocks, resumed))
         order = {rid: k for k, rid in enumerate(n)}  # vLLM's scheduling order
         chunks.sort(key=lambda c: order[c.request.request_id])
@@ -71,8 +85,14 @@ class WorkerModel:
         self.oracle.run_step(StepPlan(self.step, chunks, copies, []))
 
     def sampled(self, request_id: str, token_ids) -> None:
-        """Mutates: the tokens the runner sampled for ``request_id`` become known tokens."""
-        self.requests[request_id].token_ids.extend(token_ids)
+        """Mutates: the tokens the runner sampled for ``request_id`` become known tokens (after
+        a step with drafts: the accepted drafts and one more)."""
+        req = self.requests[request_id]
+        req.token_ids.extend(token_ids)
+        drafted = self._drafted.pop(request_id, None)
+        if drafted is not None:
+            start, _ = drafted
+            self.oracle.keep_state(req, start + len(token_ids))
 
 
 class OracleHook:

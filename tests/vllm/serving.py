@@ -89,12 +89,13 @@ class Server:
     """``vllm serve`` of the tiny hybrid model, TP = DCP = ``dcp``, checks logged and counted
     (``KVPROOF_ON_VIOLATION=log``) unless ``env`` says otherwise. ``metrics_dir``: a
     PROMETHEUS_MULTIPROC_DIR (None: a fresh one; False: none). ``num_blocks`` None: no
-    --num-gpu-blocks-override. ``faults``: see :data:`_FAULTS`."""
+    --num-gpu-blocks-override. ``faults``: see :data:`_FAULTS`. ``args``: more ``vllm serve``
+    arguments; ``model``: overrides of the tiny model's ``config.json``."""
 
     def __init__(self, dcp: int, env: Optional[dict] = None, metrics_dir=None, num_blocks: Optional[int] = NUM_BLOCKS,
-                 faults: str = "", max_model_len: int = MAX_LEN) -> None:
+                 faults: str = "", max_model_len: int = MAX_LEN, args: tuple = (), model: Optional[dict] = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="kvproof-serve-")
-        self.model = write_tiny_model(os.path.join(self.dir, "model"))
+        self.model = write_tiny_model(os.path.join(self.dir, "model"), model)
         if metrics_dir is None:
             metrics_dir = os.path.join(self.dir, "prometheus")
             os.mkdir(metrics_dir)
@@ -122,7 +123,7 @@ class Server:
                 "--distributed-executor-backend", EXECUTOR,
                 "--enable-prefix-caching", "--max-model-len", str(max_model_len), "--max-num-seqs", str(MAX_SEQS),
                 "--max-num-batched-tokens", str(BUDGET), "--enable-prompt-tokens-details",
-                "--host", "127.0.0.1", "--port", str(self.port),
+                "--host", "127.0.0.1", "--port", str(self.port), *args,
             ],
             env=environment, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )

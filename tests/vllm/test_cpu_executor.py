@@ -258,3 +258,86 @@ def test_a_stated_gpu_memory_sizes_the_pool_as_vllm_sizes_that_much_kv_memory(mo
     staged = _num_blocks()
     monkeypatch.setenv("KVPROOF_STAGING_GPU_MEMORY", "1TiB")  # ignored when vLLM is told the KV memory
     assert staged == _num_blocks(kv_cache_memory_bytes=int((64 << 20) * 0.92)) > 100
+
+
+# --- speculative decoding: the stand-in drafter and the drafts' KV in the content model ---------
+
+
+def test_the_stand_in_drafter_gets_drafts_wrong_by_its_rule_and_verification_rejects_from_there():
+    vocab, eos = 1024, 1023
+    for length in range(1, 9):
+        tokens = [random.Random(length).randrange(1000) for _ in range(length)]
+        drafts = cpu_executor.draft_tokens(tokens, 3, vocab, eos)
+        sampled = cpu_executor.verify_drafts(tokens, drafts, vocab, eos)
+        # The first wrong draft is the one proposed where the drafted sequence's length is 3 mod 4.
+        right = next((i for i in range(3) if (length + i) % 4 == 3), 3)
+        assert sampled[:-1] == drafts[:right] and len(sampled) == right + 1
+        truth = list(tokens)
+        for _ in range(right + 1):
+            truth.append(cpu_executor.next_token(truth, vocab, eos))
+        assert sampled == truth[length:]  # what is sampled never depends on the drafts
+        assert eos not in drafts
+
+
+def _step(new=(), cached=(), spec=None):
+    """A SchedulerOutput as the worker model reads it: ``new`` = [(id, prompt, computed, n,
+    blocks)], ``cached`` = [(id, computed, n, new blocks)]."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        finished_req_ids=set(), kv_cache_block_copies=(), scheduled_spec_decode_tokens=spec or {},
+        num_scheduled_tokens={**{r[0]: r[3] for r in new}, **{r[0]: r[2] for r in cached}},
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, prompt_token_ids=p, num_computed_tokens=c, block_ids=b)
+                            for r, p, c, _, b in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r[0] for r in cached], resumed_req_ids=set(),
+                                              num_computed_tokens=[r[1] for r in cached],
+                                              new_block_ids=[r[3] for r in cached]),
+    )
+
+
+@pytest.mark.parametrize("reused", [4, 5, 6])
+def test_a_rejected_drafts_kv_is_another_prefixs_for_every_later_reader(reused):
+    """r0 decodes at position 3 with drafts (5, 99); 5 is accepted, 99 rejected (the true token
+    is 6), so block 2 holds at position 5 the KV of a draft nobody keeps. r1 (r0's tokens and
+    one more) reuses r0's blocks up to ``reused`` tokens: up to the accepted draft it reads the
+    right KV; past it, the rejected draft's, which the content model reports."""
+    from kvproof.integrations.vllm.worker_model import WorkerModel
+    from kvproof.spec.groups import CacheGroup, GroupKind
+    from kvproof.spec.layout import LayoutConfig, resolve_layout
+
+    model = WorkerModel(resolve_layout(LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, 4),), max_model_len=64)))
+    model.run_step(_step(new=[("r0", [1, 2, 3], 0, 3, ([1],))]))
+    model.sampled("r0", [4])
+    model.run_step(_step(cached=[("r0", 3, 3, ([2],))], spec={"r0": [5, 99]}))
+    model.sampled("r0", [5, 6])  # one draft accepted, then the true token
+    assert model.violations == []
+    blocks = [1, 2] if reused > 4 else [1]
+    model.run_step(_step(new=[("r1", [1, 2, 3, 4, 5, 6, 7], reused, 7 - reused, (blocks + [3],))]))
+    if reused <= 5:
+        assert model.violations == []
+    else:
+        assert len(model.violations) == 1 and model.violations[0].startswith(
+            "INV-CONTENT-KV: request 'r1', group 0, rank 0: position 5 reads block 2"), model.violations
+
+
+def test_after_a_rejection_the_next_chunk_starts_from_the_state_after_the_accepted_tokens():
+    """A Mamba group: the step with drafts ends its chunk after the rejected draft, but the next
+    chunk must start from the state after the accepted tokens (the kernel keeps one per draft
+    position); a chunk starting anywhere else reads a state that is not its own."""
+    from kvproof.integrations.vllm.worker_model import WorkerModel
+    from kvproof.spec.groups import CacheGroup, GroupKind
+    from kvproof.spec.layout import LayoutConfig, resolve_layout
+
+    layout = resolve_layout(LayoutConfig((CacheGroup(GroupKind.MAMBA, 4), CacheGroup(GroupKind.FULL_ATTENTION, 4)),
+                                         max_model_len=64))
+    runs = {}
+    for start in (5, 6):
+        model = WorkerModel(layout)
+        model.run_step(_step(new=[("r0", [1, 2, 3], 0, 3, ([1], [2]))]))
+        model.sampled("r0", [4])
+        model.run_step(_step(cached=[("r0", 3, 3, ([3], [4]))], spec={"r0": [5, 99]}))
+        model.sampled("r0", [5, 6])
+        model.run_step(_step(cached=[("r0", start, 1, ([], []))]))
+        runs[start] = model.violations
+    assert runs[5] == []  # vLLM's rollback: 3 computed + 1 accepted draft + the decode token
+    assert len(runs[6]) == 1 and runs[6][0].startswith("INV-CONTENT-STATE: request 'r0', group 0"), runs[6]

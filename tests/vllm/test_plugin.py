@@ -226,7 +226,7 @@ def test_kvproof_manager_serves_the_same_run_without_vllms_copy_hazard(contracts
     assert report["tables"] == report["copies"] == (contracts is not None)
 
 
-def test_kvproofs_manager_refuses_connectors_and_async_mamba_naming_the_change():
+def test_kvproofs_manager_refuses_connectors_async_and_drafts_over_mamba_naming_the_change():
     from types import SimpleNamespace
 
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -244,6 +244,44 @@ def test_kvproofs_manager_refuses_connectors_and_async_mamba_naming_the_change()
     assert "--no-async-scheduling" in plugin.serving_refusal(AsyncScheduler, plain, hybrid)
     assert plugin.serving_refusal(Scheduler, plain, hybrid) is None  # controls
     assert plugin.serving_refusal(AsyncScheduler, plain, attention) is None
+    drafting = SimpleNamespace(kv_transfer_config=None, speculative_config=object())
+    assert "drop --speculative-config" in plugin.serving_refusal(Scheduler, drafting, hybrid)
+    assert plugin.serving_refusal(Scheduler, drafting, attention) is None  # served (test_vllm_serve.py)
+
+
+_REFUSED = textwrap.dedent("""
+    import json
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from kvproof.integrations.vllm.tiny_model import tiny_model_dir
+    load_general_plugins()
+    report = {}
+    for case, extra in (("async", {"scheduler_cls": "vllm.v1.core.sched.async_scheduler.AsyncScheduler"}),
+                        ("drafts", {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2,
+                                                           "disable_lookahead_block_hashes": True}})):
+        try:
+            LLMEngine.from_engine_args(EngineArgs(
+                model=tiny_model_dir(), skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=256,
+                enable_prefix_caching=True, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256,
+                distributed_executor_backend="kvproof.integrations.vllm.cpu_executor.CpuStagingExecutor", **extra))
+            report[case] = None
+        except Exception as e:
+            report[case] = f"{type(e).__name__}: {e}"
+    print("REPORT " + json.dumps(report), flush=True)
+""")
+
+
+def test_kvproofs_manager_refuses_async_scheduling_and_drafts_over_mamba_when_vllm_builds_the_scheduler():
+    """Through vLLM's engine (the hybrid tiny model): an async Scheduler, and MTP drafts, fail at
+    Scheduler construction with the one line, and the stop report ends the output with it."""
+    report = _run_fresh(_REFUSED, KVPROOF_MANAGER="kvproof")
+    assert report["async"] == ("ValueError: kvproof's manager keys Mamba states only with synchronous scheduling: add "
+                               "--no-async-scheduling, or unset KVPROOF_MANAGER to serve with vLLM's manager")
+    assert report["drafts"].startswith("ValueError: kvproof's manager does not serve speculative decoding over Mamba "
+                                       "groups"), report["drafts"]
+    # The first refusal, last, counting the second.
+    assert report["last"] == "kvproof: " + report["async"][len("ValueError: "):] + " (and 1 more kvproof refusal(s) above)"
 
 
 _UNTESTED = textwrap.dedent("""

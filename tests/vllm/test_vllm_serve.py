@@ -12,6 +12,7 @@ starts from zero all the same."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import random
 import subprocess
@@ -25,6 +26,8 @@ pytest.importorskip("vllm")
 pytest.importorskip("psutil")
 
 from kvproof.integrations.vllm.engine_harness import EngineHarness, StepHook  # noqa: E402
+from kvproof.integrations.vllm.kvproof_manager import KvproofKVCacheManager  # noqa: E402
+from kvproof.integrations.vllm.tiny_model import ATTENTION_ONLY  # noqa: E402
 from kvproof.sim.replay import replay  # noqa: E402
 from kvproof.sim.trace import TraceRequest  # noqa: E402
 from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
@@ -220,3 +223,55 @@ def test_vllm_serve_with_kvproofs_manager(dcp, num_chats, turns):
           f"{metric(metrics, 'kvproof_content_checked_tokens_total'):.0f} tokens")
     assert behind == {}
     assert sum(served.values()) > 0
+
+
+#: MTP speculative decoding with no draft model loaded (the staging executor drafts); vLLM's
+#: default lookahead block hashes off, so vLLM drops the last hash unit of every hit (EAGLE/MTP's
+#: block drop) -- kvproof's manager refuses lookahead hashes at start.
+SPECULATIVE = ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2,
+                                                   "disable_lookahead_block_hashes": True}))
+
+
+def test_vllm_serve_speculative_with_kvproofs_manager():
+    """MTP drafts (the staging executor proposes them and rejects some by a fixed rule), TP = DCP
+    = 2, full attention only (kvproof's manager refuses drafts over Mamba groups): the same
+    conversations served with vLLM's manager and with kvproof's. Every read of the forward pass,
+    drafts included, is checked by the content oracle (a rejected draft's KV is another prefix's);
+    kvproof's manager caches per request exactly what vLLM's does, which is one hash unit short
+    of kvproof's own hit without drafts (vLLM's real Scheduler on the same trace): the dropped
+    unit where vLLM drops it."""
+    dcp, results = 2, {}
+    for manager in ("vllm", "kvproof"):
+        server = Server(dcp, env={"KVPROOF_MANAGER": manager}, model=ATTENTION_ONLY, args=SPECULATIVE)
+        try:
+            server.wait_until_up()
+            trace, usage, burst = serve_chats(server, chats(dcp, 12, 5))
+            metrics = server.metrics()
+        finally:
+            code, left = server.stop()
+        assert code == 0 and left == [], server.final_output[-4000:]
+        results[manager] = trace, usage, burst, metrics
+    trace, usage, burst, metrics = results["kvproof"]
+    assert results["vllm"][0] == trace  # the same outputs: drafts never change what is sampled
+    assert "kvproof_violations_total{" not in metrics
+    drafts = metric(metrics, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = metric(metrics, "vllm:spec_decode_num_accepted_tokens_total")
+    assert 0 < accepted < drafts  # drafts were proposed, some accepted, some rejected
+    # The oracle checked every scheduled token: each computed one, and the rejected drafts.
+    computed = sum(u["prompt_tokens"] - cached(u) + u["completion_tokens"] - 1 for u in [*usage.values(), *burst])
+    checked = metric(metrics, "kvproof_content_checked_tokens_total")
+    assert computed + drafts - accepted <= checked <= computed + drafts
+
+    served = {rid: cached(u) for rid, u in usage.items()}
+    stock = {rid: cached(u) for rid, u in results["vllm"][1].items()}
+    assert served == stock
+    layout = resolve_layout(LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, BLOCK),), dcp=dcp, max_model_len=MAX_LEN))
+    without_drafts = EngineHarness(layout, NUM_BLOCKS, max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS,
+                                   manager_class=KvproofKVCacheManager).run(trace).num_cached_tokens
+    unit = layout.hash_block_size
+    assert served == {rid: max(hit - unit, 0) for rid, hit in without_drafts.items()}
+    assert sum(served.values()) > 0
+    print(f"\nDCP {dcp}, MTP drafts: {len(trace)} sequential requests, {drafts:.0f} drafts, {accepted:.0f} accepted; "
+          f"cached {sum(served.values())} tokens with either manager ({sum(without_drafts.values())} without drafts); "
+          f"the oracle checked {checked:.0f} tokens; vLLM's manager under kvproof's checks: "
+          f"{metric(results['vllm'][3], 'kvproof_violations_total'):.0f} violations")
