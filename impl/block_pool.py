@@ -618,6 +618,10 @@ class BlockPool:
 
     @staticmethod
     def _require_values(values: Sequence[float], blocks: Sequence[int], verb: str) -> None:
+        # Common path in C-level loops: min >= 0 and a finite sum mean every value is finite,
+        # >= 0 and not NaN; anything else (a NaN, an overflowing sum) takes the exact check.
+        if len(values) == len(blocks) and (not values or (min(values) >= 0.0 and sum(values) < math.inf)):
+            return
         if len(values) != len(blocks) or not all(0.0 <= v < math.inf for v in values):
             raise ValueError(f"INV-EVICT-VALUE: {verb}: values {list(values)!r} must be one finite number >= 0 per block of {list(blocks)!r}")
 

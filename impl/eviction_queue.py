@@ -136,8 +136,16 @@ class ComputeQueue:
         return self._prio[block] if self._live_seq[block] >= 0 else None
 
     def release(self, uncached: list[int], cached: list[int], values: Optional[Sequence[float]]) -> None:
-        for i, b in enumerate(cached):
-            self._push(b, values[i] if values is not None else 0.0)
+        if cached:  # _push per block, inlined: free runs this on every request that ends
+            seq, live, prio, heap = self._seq, self._live_seq, self._prio, self._heap
+            for i, b in enumerate(cached):
+                priority = seq + (values[i] if values is not None else 0.0)
+                live[b], prio[b] = seq, priority
+                heapq.heappush(heap, (priority, seq, b))
+                seq += 1
+            self._seq = seq
+            self._num_live += len(cached)
+            self._compact()
         if uncached:
             self._uncached.push_front(uncached)
 
@@ -167,9 +175,9 @@ class ComputeQueue:
     def pop(self, n: int) -> list[int]:
         keys = self._keys
         out = self._uncached.pop_front(n)
-        for b in out:
-            if keys[b] is not None:
-                raise InvariantViolation("INV-EVICT-UNCACHED-FIRST", f"block {b} in the uncached queue has key {keys[b]!r}")
+        if list(map(keys.__getitem__, out)).count(None) != len(out):  # C-level loops on the common path
+            b = next(b for b in out if keys[b] is not None)
+            raise InvariantViolation("INV-EVICT-UNCACHED-FIRST", f"block {b} in the uncached queue has key {keys[b]!r}")
         heap, live = self._heap, self._live_seq
         while len(out) < n:
             prio, seq, b = heapq.heappop(heap)
@@ -212,8 +220,12 @@ class ComputeQueue:
         self._live_seq[block] = seq
         self._prio[block] = priority
         self._num_live += 1
+        heapq.heappush(self._heap, (priority, seq, block))
+        self._compact()
+
+    def _compact(self) -> None:
+        """Drop the stale heap entries once they outnumber the live ones."""
         heap = self._heap
-        heapq.heappush(heap, (priority, seq, block))
         if len(heap) > 2 * self._num_live + 64:
             live = self._live_seq
             self._heap = [e for e in heap if live[e[2]] == e[1]]

@@ -220,6 +220,23 @@ def test_bad_values_are_refused_and_change_nothing(policy, values):
         spec.free(spec.initial(3, policy), [], values)
 
 
+@pytest.mark.parametrize("policy", [LRU, COMPUTE])
+def test_values_past_the_fast_check_get_the_exact_one(policy):
+    """INV-EVICT-VALUE where a min-and-sum check alone would be wrong: a NaN after a valid value
+    (min skips it) is refused; finite values whose sum overflows are accepted."""
+    pool = BlockPool(4, policy)
+    a, b = pool.allocate(2)
+    for x in (a, b):
+        pool.cache_full(x, ("k", x), 4)
+    with pytest.raises(ValueError, match="INV-EVICT-VALUE"):
+        pool.free([a, b], [1.0, math.nan])
+    assert pool.ref_count(a) == pool.ref_count(b) == 1
+    pool.free([a, b], [1e308, 1e308])
+    assert pool.ref_count(a) == pool.ref_count(b) == 0
+    if policy == COMPUTE:
+        assert pool.priority(a) == 1e308 and pool.free_order() == (3, a, b)
+
+
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="eviction policy 'fifo' must be one of lru, compute"):
         parse_policy("fifo")
