@@ -75,14 +75,11 @@ def install_checks(scheduler, mode: Optional[str] = None, action: Optional[str] 
     """Mutates ``scheduler`` (its manager instance gets wrappers): run the start-up checks and
     attach the manager checks, once. ``mode`` None reads ``KVPROOF_CONTRACTS`` (``cheap`` when
     unset); ``action`` None reads ``KVPROOF_ON_VIOLATION``. Raises ValueError when the checks
-    cannot be installed (a KV connector, a cache group kvproof has no model of)."""
+    cannot be installed (a cache group kvproof has no model of)."""
     existing = getattr(scheduler.kv_cache_manager, "_kvproof_checker", None)
     if existing is not None:
         return existing
     mode = contracts_mode(mode) or "cheap"
-    if scheduler.vllm_config.kv_transfer_config is not None:
-        _refuse("kvproof's checks do not model KV connectors (--kv-transfer-config is set): unset KVPROOF_CONTRACTS "
-                "to serve with the connector unchecked, or stage without --kv-transfer-config to check the rest")
     try:
         layout = layout_from_vllm(scheduler.kv_cache_config, scheduler.vllm_config)
     except ValueError as e:

@@ -42,6 +42,12 @@ finished right after its prefill completes, as kvproof does: the runner samples 
 and the harness aborts it before the next step (``finish_requests``), so its tokens stay the
 trace's.
 
+A KV connector (``kv_transfer_config``, a ``KVTransferConfig``) is built by vLLM's Scheduler as
+in a real engine, on its scheduler side only. The stand-in runner plays its worker side: every
+asynchronous load is reported received (the runner output's
+``kv_connector_output.finished_recving``) ``kv_load_steps`` steps after the step that started it
+(1: that step's own output), every synchronous one lands within its step.
+
 This module sets ``VLLM_TARGET_DEVICE=cpu`` unless the variable is already set (vLLM reads it
 when it picks a platform); import it before anything else imports vLLM's platform.
 """
@@ -71,7 +77,7 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
 from vllm.v1.core.sched import scheduler as scheduler_module  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
@@ -228,12 +234,15 @@ class EngineHarness:
         scheduler_cls: type = Scheduler,
         manager_class: Optional[type] = None,
         hooks: Sequence[StepHook] = (),
+        kv_transfer_config=None,
+        kv_load_steps: int = 1,
     ) -> None:
         if max_num_seqs is None:
             max_num_seqs = min(256, max_num_batched_tokens)  # vLLM requires seqs <= batched tokens
         for name, value, low in (("num_blocks", num_blocks, 2), ("max_num_batched_tokens", max_num_batched_tokens, 1),
                                  ("max_num_seqs", max_num_seqs, 1), ("long_prefill_token_threshold", long_prefill_token_threshold, 0),
-                                 ("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0)):
+                                 ("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0),
+                                 ("kv_load_steps", kv_load_steps, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} {value!r} must be an integer >= {low}")
         if use_eagle and num_hash_lookahead_tokens:
@@ -253,6 +262,9 @@ class EngineHarness:
             max_num_seqs, long_prefill_token_threshold, cfg.retention_interval, cfg.shared_prefix_checkpoint,
             cfg.hash_block_size,
         ))
+        self.vllm_config.kv_transfer_config = kv_transfer_config
+        self.kv_load_steps = kv_load_steps
+        self._load_started: dict[str, int] = {}  # request -> the step its asynchronous load started
         cache_config = self.vllm_config.cache_config
         cache_config.num_gpu_blocks = num_blocks
         cache_config.block_size = chunk_split_block_size(layout)
@@ -421,7 +433,8 @@ class EngineHarness:
         self._preemptions += len(out.preempted_req_ids)
         for hook in self.hooks:
             hook.updated(self, record, out, runner_output)
-        if out.total_num_scheduled_tokens == 0 and not self._pending and sched.has_unfinished_requests():
+        if (out.total_num_scheduled_tokens == 0 and not self._pending and not self._load_started
+                and runner_output.kv_connector_output is None and sched.has_unfinished_requests()):
             waiting = sorted(r.request_id for r in sched.requests.values() if not r.is_finished())
             raise HarnessStalled(
                 f"step {s}: vLLM scheduled nothing and nothing arrives later; requests {waiting} cannot be "
@@ -448,6 +461,16 @@ class EngineHarness:
         runner_output = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)}, sampled_token_ids=sampled,
         )
+        if self.scheduler.connector is not None:
+            started = self._load_started
+            for r in self.scheduler.requests.values():
+                if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    started.setdefault(r.request_id, self.step_count)
+            arrived = {rid for rid, s in started.items() if self.step_count - s + 1 >= self.kv_load_steps}
+            for rid in arrived:
+                del started[rid]
+            if arrived:
+                runner_output.kv_connector_output = KVConnectorOutput(finished_recving=arrived)
         return runner_output, no_outputs
 
     def run(self, trace: Sequence[TraceRequest], max_steps: int = 1_000_000) -> HarnessResult:

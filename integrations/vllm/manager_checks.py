@@ -82,6 +82,11 @@ class ManagerChecker:
         self._filled: dict[int, int] = {}  # block id -> leading positions of its span with KV
         self._state: dict[int, int] = {}  # block id -> prefix length of the state it holds
         self._writes: dict[str, list[tuple[int, int, int, int]]] = {}  # request -> (kind, block, a, b)
+        #: request -> (kind, block, a, b, first position of the block's span): a KV connector's
+        #: asynchronous load in flight, then (``_arrived``) reported received by the worker side,
+        #: applied when vLLM caches what arrived (``_cache_blocks``).
+        self._loads: dict[str, list[tuple[int, int, int, int, int]]] = {}
+        self._arrived: dict[str, list[tuple[int, int, int, int, int]]] = {}
         self._copies: list[tuple[int, int, int]] = []  # this step: (src, dst, tokens the dst may keep)
         self._copy_src: dict[int, int] = {}  # dst -> src, this step
         self._copy_srcs: set[int] = set()
@@ -95,8 +100,13 @@ class ManagerChecker:
 
     def _wrap(self) -> None:
         kvm, pool = self.kvm, self.pool
-        for name in ("new_step_starts", "get_computed_blocks", "allocate_slots", "free", "take_kv_cache_block_copies"):
+        for name in ("new_step_starts", "get_computed_blocks", "allocate_slots", "cache_blocks", "free",
+                     "take_kv_cache_block_copies"):
             setattr(kvm, name, _bind(getattr(self, "_" + name), getattr(kvm, name)))
+        if self.scheduler is not None and hasattr(self.scheduler, "_update_from_kv_xfer_finished"):
+            # Where the worker side's finished_recving reaches the Scheduler (vLLM-internal).
+            self.scheduler._update_from_kv_xfer_finished = _bind(self._kv_xfer_finished,
+                                                                 self.scheduler._update_from_kv_xfer_finished)
         pool.get_new_blocks = _bind(self._get_new_blocks, pool.get_new_blocks)
         pool.free_blocks = _bind(self._free_blocks, pool.free_blocks)
         kvm._kvproof_checker = self
@@ -188,7 +198,9 @@ class ManagerChecker:
         self._request = rid
         free_before = self.pool.get_num_free_blocks()
         before = [(len(m._pending_cow_copies), len(m.req_to_blocks.get(rid, ()))) for m in self.managers]
-        start = request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
+        loaded_from = request.num_computed_tokens + num_new_computed_tokens  # a connector writes [loaded_from, start)
+        start = loaded_from + num_external_computed_tokens
+        delayed = kwargs.get("delay_cache_blocks", args[0] if args else False)
         try:
             result = original(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                               num_lookahead_tokens, num_external_computed_tokens, *args, **kwargs)
@@ -201,6 +213,8 @@ class ManagerChecker:
         writes = self._writes.get(rid)
         if writes is None:
             writes = self._writes[rid] = []
+        loads: list[tuple[int, int, int, int, int]] = []
+        forward: list[tuple[int, int, int, int]] = []
         for g, m, block, width, state, align in self._groups:
             row = m.req_to_blocks.get(rid)
             if not row:
@@ -220,17 +234,64 @@ class ManagerChecker:
                     self._check_copy(g, rid, src.block_id, dst.block_id, start)
             if state:
                 if align:  # the chunk reads the state at `start` and leaves the one at `end`
-                    if start:
+                    if start > loaded_from:  # the connector loads the state the chunk reads
+                        loads.append((_STATE, row[table_index(start - 1, block, 1, False)].block_id, start, 0, start))
+                    elif start:
                         self._check_state_read(g, rid, row, start)
-                    writes.append((_STATE, row[table_index(end - 1, block, 1, False)].block_id, end, 0))
+                    if end > start:
+                        forward.append((_STATE, row[table_index(end - 1, block, 1, False)].block_id, end, 0))
                 continue
-            first = table_index(start, block, 1, False)
-            for j in range(first, table_index(end - 1, block, 1, False) + 1):
-                b = row[j]
-                if not b.is_null:
-                    lo = j * block
-                    writes.append((_KV, b.block_id, max(start - lo, 0), min(end - lo, block)))
+            if start > loaded_from:
+                for j in range(table_index(loaded_from, block, 1, False), table_index(start - 1, block, 1, False) + 1):
+                    b = row[j]
+                    if not b.is_null:
+                        lo = j * block
+                        loads.append((_KV, b.block_id, max(loaded_from - lo, 0), min(start - lo, block), lo))
+            if end > start:
+                for j in range(table_index(start, block, 1, False), table_index(end - 1, block, 1, False) + 1):
+                    b = row[j]
+                    if not b.is_null:
+                        lo = j * block
+                        forward.append((_KV, b.block_id, max(start - lo, 0), min(end - lo, block)))
+        if delayed and loads:  # written when the load finishes: vLLM then caches what arrived
+            self._loads.setdefault(rid, []).extend(loads)
+        else:  # a synchronous load lands before this step's forward pass reads it
+            writes.extend(w[:4] for w in loads)
+        writes.extend(forward)
         return result
+
+    def _kv_xfer_finished(self, original, kv_connector_output):
+        for rid in kv_connector_output.finished_recving or ():
+            loads = self._loads.pop(rid, None)
+            if loads is not None:
+                self._arrived[rid] = loads
+        return original(kv_connector_output)
+
+    def _cache_blocks(self, original, request, num_computed_tokens: int):
+        """After an asynchronous load vLLM caches the ``num_computed_tokens`` it counts as loaded
+        (fewer after a failed load): what arrived is readable from then on. Caching a load the
+        worker side has not reported received is INV-CONNECTOR-LOAD-ARRIVED (the request would
+        compute on, and publish, KV that is not there yet)."""
+        rid = request.request_id
+        if rid in self._loads:
+            self.sink.report(
+                "INV-CONNECTOR-LOAD-ARRIVED",
+                f"{self._where(rid)}: vLLM caches {num_computed_tokens} computed tokens while the connector's load "
+                "into its blocks is still in flight (no finished_recving for it yet)",
+            )
+            self._loads.pop(rid)
+        loads = self._arrived.pop(rid, None)
+        if loads:
+            filled, state = self._filled, self._state
+            for kind, blk, a, b, lo in loads:
+                if kind == _STATE:
+                    if num_computed_tokens >= a:
+                        state[blk] = a
+                else:
+                    b = min(b, num_computed_tokens - lo)
+                    if b > a and filled.get(blk, 0) >= a:
+                        filled[blk] = max(filled.get(blk, 0), b)
+        return original(request, num_computed_tokens)
 
     def _check_failed_allocation(self, rid, free_before, before) -> None:
         """vLLM releases blocks outside a window before it knows whether the allocation fits
@@ -301,6 +362,8 @@ class ManagerChecker:
         self._request = rid
         if self._scheduling:  # preempted while this step is scheduled: its forward never runs
             self._writes.pop(rid, None)
+        self._loads.pop(rid, None)  # a load still in flight is abandoned with the blocks
+        self._arrived.pop(rid, None)
         try:
             original(request)
         finally:

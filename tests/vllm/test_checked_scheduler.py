@@ -449,18 +449,12 @@ def test_checks_attach_once():
 
 
 def test_checks_that_cannot_be_installed_stop_the_scheduler_at_construction():
-    """A KV connector, or a cache group kvproof has no model of: asking for checks then fails."""
+    """A cache group kvproof has no model of: asking for checks then fails (KV connectors are
+    checked: tests/vllm/test_checked_connector.py)."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
     from kvproof.integrations.vllm.kv_specs import group_for_spec
 
-    def connector(scheduler):
-        scheduler.vllm_config.kv_transfer_config = object()
-
-    with pytest.raises(ValueError, match="kvproof's checks do not model KV connectors \\(--kv-transfer-config is set\\): "
-                                         "unset KVPROOF_CONTRACTS to serve with the connector unchecked, or stage "
-                                         "without --kv-transfer-config"):
-        EngineHarness(layout_for(HYBRID), 64, scheduler_cls=_mutant(connector))
     spec = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16,
                                      attention_chunk_size=64)
     with pytest.raises(ValueError, match="KV-cache group 2 has a ChunkedLocalAttentionSpec; kvproof models full "

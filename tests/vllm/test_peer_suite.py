@@ -99,6 +99,28 @@ def test_the_ci_subset_with_kvproofs_manager_gives_the_recorded_outcomes(tmp_pat
     assert local["outcome"] == "fail" and "assert 80 == (80 - 64)" in local["reason"]
 
 
+# vLLM's KV-connector tests with kvproof's checks on vLLM's manager: sync and async loads, a
+# load that does not fit, preemption during a load, failed loads.
+CHECKS_SUBSET = (
+    "test_kv_connector_basic or test_kv_connector_unable_to_allocate or test_kv_connector_handles_preemption "
+    "or test_external_prefix_cache_metrics or test_kv_connector_invalid_blocks"
+)
+
+
+@pytest.mark.slow
+def test_the_connector_tests_pass_with_kvproofs_checks(tmp_path):
+    pytest.importorskip("vllm")
+    out = tmp_path / "subset.json"
+    result = subprocess.run(
+        [sys.executable, str(RUNNER), "--checks", "cheap", "--no-stock", "-k", CHECKS_SUBSET,
+         "--expect", str(TABLE), "--json", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    checked = json.loads(out.read_text())["columns"]["stock+cheap"]
+    assert len(checked) >= 6 and {r["outcome"] for r in checked.values()} == {"pass"}, (len(checked), checked)
+
+
 def test_a_table_reads_back_as_written(tmp_path):
     columns = {
         "stock": {"a.py::test_x[1]": {"outcome": "pass", "reason": "", "builds": ["scheduler"]},
