@@ -103,8 +103,10 @@ class ManagerChecker:
         for name in ("new_step_starts", "get_computed_blocks", "allocate_slots", "cache_blocks", "free",
                      "take_kv_cache_block_copies"):
             setattr(kvm, name, _bind(getattr(self, "_" + name), getattr(kvm, name)))
-        if self.scheduler is not None and hasattr(self.scheduler, "_update_from_kv_xfer_finished"):
-            # Where the worker side's finished_recving reaches the Scheduler (vLLM-internal).
+        # Where the worker side's finished_recving reaches the Scheduler (vLLM-internal); without
+        # it (a manager checked alone) vLLM's cache_blocks is taken as the arrival.
+        self._sees_arrivals = self.scheduler is not None and hasattr(self.scheduler, "_update_from_kv_xfer_finished")
+        if self._sees_arrivals:
             self.scheduler._update_from_kv_xfer_finished = _bind(self._kv_xfer_finished,
                                                                  self.scheduler._update_from_kv_xfer_finished)
         pool.get_new_blocks = _bind(self._get_new_blocks, pool.get_new_blocks)
@@ -273,7 +275,9 @@ class ManagerChecker:
         worker side has not reported received is INV-CONNECTOR-LOAD-ARRIVED (the request would
         compute on, and publish, KV that is not there yet)."""
         rid = request.request_id
-        if rid in self._loads:
+        if rid in self._loads and not self._sees_arrivals:
+            self._arrived[rid] = self._loads.pop(rid)
+        elif rid in self._loads:
             self.sink.report(
                 "INV-CONNECTOR-LOAD-ARRIVED",
                 f"{self._where(rid)}: vLLM caches {num_computed_tokens} computed tokens while the connector's load "
