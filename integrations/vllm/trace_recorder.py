@@ -14,7 +14,7 @@ timestamp (``sim.workload.read_workload``)::
   block's token ids (and what vLLM's own block hashes separate: the cache salt and LoRA adapter
   in the first, multimodal identifiers in the blocks their placeholders overlap), so equal ids
   mean an equal prefix up to and including that block; each new digest gets the next small
-  int, except that a full block extending an earlier prompt's partial last block takes its id
+  int, except that a block extending an earlier prompt's partial last block takes its id
   (:class:`BlockIds`). The key is random per process and the digests never leave it: the file
   holds lengths, times and small ints, no token id and nothing a token id can be recovered from.
 
@@ -79,9 +79,10 @@ class BlockIds:
 
     Mooncake's partial last block is a prefix of its id's 512 tokens (``sim.mooncake``), so a
     prompt's tail can share its id with the full block of a later, longer prompt that extends
-    it (the next turn of a chat): a new full block takes the id of the longest unclaimed partial
-    block after the same prefix whose tokens begin it. An id is thus one 512-token content
-    (partial uses are prefixes of it) and no two contents share one."""
+    it (the next turn of a chat): a new block takes the id of the longest pending partial block
+    after the same prefix whose tokens begin it -- a full block fixes the id's content, a longer
+    partial one extends what is known of it. An id thus stands for one 512-token content (every
+    partial use a prefix of it) and no two contents share one."""
 
     def __init__(self, key: Optional[bytes] = None) -> None:
         self._key = key if key is not None else secrets.token_bytes(32)
@@ -100,13 +101,17 @@ class BlockIds:
         h.update(_frame(extra))
         return h.digest()
 
-    def _claim(self, chain: bytes, block: Sequence[int]) -> Optional[int]:
-        """The id of the longest pending partial block after ``chain`` that ``block`` extends."""
+    def _claim(self, chain: bytes, block: Sequence[int], digest: bytes) -> Optional[int]:
+        """The id of the longest pending partial block after ``chain`` that ``block`` (digest
+        ``digest``) extends, or None. A full block fixes that id; a longer partial one becomes
+        the id's pending content in its place."""
         pending = self._pending.get(chain)
         for entry in sorted(pending or (), reverse=True):
-            length, digest, hash_id = entry
-            if self._digest(chain, block[:length], b"") == digest:
+            length, known, hash_id = entry
+            if length < len(block) and self._digest(chain, block[:length], b"") == known:
                 pending.remove(entry)
+                if len(block) < MOONCAKE_BLOCK:
+                    pending.append((len(block), digest, hash_id))
                 return hash_id
         return None
 
@@ -114,7 +119,7 @@ class BlockIds:
                  extras: Optional[Sequence[bytes]] = None) -> list[int]:
         """One id per block of ``tokens`` (the last block partial). ``seed`` separates whole
         prompts (cache salt, adapter); ``extras[i]`` is mixed into block ``i`` (multimodal
-        identifiers; such blocks never claim or are claimed). Mutates the id table."""
+        identifiers; such blocks never take or give an earlier id). Mutates the id table."""
         chain = hashlib.blake2b(_frame(seed), key=self._key, digest_size=_DIGEST).digest()
         out = []
         for i, start in enumerate(range(0, len(tokens), MOONCAKE_BLOCK)):
@@ -123,11 +128,10 @@ class BlockIds:
             digest = self._digest(chain, block, extra)
             hash_id = self._ids.get(digest)
             if hash_id is None:
-                full = len(block) == MOONCAKE_BLOCK
-                hash_id = self._claim(chain, block) if full and not extra else None
+                hash_id = None if extra else self._claim(chain, block, digest)
                 if hash_id is None:
                     hash_id, self._next = self._next, self._next + 1
-                    if not full and not extra:
+                    if len(block) < MOONCAKE_BLOCK and not extra:
                         self._pending.setdefault(chain, []).append((len(block), digest, hash_id))
                 self._ids[digest] = hash_id
             out.append(hash_id)

@@ -89,6 +89,51 @@ def test_a_partial_block_never_claims_a_full_block_that_does_not_extend_it():
     assert second not in (partial, unrelated)
 
 
+def test_a_longer_partial_block_that_extends_a_partial_one_shares_its_id_and_replays_as_its_extension():
+    ids = BlockIds()
+    head, tail = tokens(B, 15), tokens(300, 16)
+    (_, short) = ids.hash_ids(head + tail[:100])
+    (_, longer) = ids.hash_ids(head + tail)
+    (_, branch) = ids.hash_ids(head + tail[:100] + tokens(200, 17))  # extends the short one, not the longer
+    (_, full, _) = ids.hash_ids(head + tail + tokens(B - 300, 18) + [4])
+    assert longer == short == full and branch != short
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_replayed_prompts_share_exactly_the_whole_blocks_the_real_ones_share_and_nothing_false(tmp_path, seed):
+    """Chats that extend each other (partial blocks extended by partial and full ones, branches)
+    recorded, then expanded as the planner replays them: two expanded prompts never agree
+    further than the real ones do, and agree at least on every whole block the real ones share."""
+    rng = random.Random(seed)
+    path = str(tmp_path / "t.jsonl")
+    recorder = TraceRecorder(path)
+    real = []
+    for i in range(40):
+        if real and rng.random() < 0.7:
+            base = rng.choice(real)
+            base = base[:rng.randrange(1, len(base) + 1)] if rng.random() < 0.3 else base
+        else:
+            base = tokens(rng.randrange(1, 3 * B), 100 + i)[:rng.randrange(1, 3 * B)]
+        prompt = base + [rng.randrange(4) for _ in range(rng.randrange(1, 400))]  # small alphabet: chance agreements
+        real.append(prompt)
+        recorder.finished(request(prompt, 1, float(i)))
+    replayed = [prompt_tokens(r) for r in iter_mooncake(path)]
+    assert [len(p) for p in replayed] == [len(p) for p in real]
+    for i in range(len(real)):
+        for j in range(i):
+            true, seen = common_prefix(real[i], real[j]), common_prefix(replayed[i], replayed[j])
+            assert seen <= true and seen >= true - true % B, (i, j, true, seen)
+
+
 def test_the_line_has_the_output_length_and_ms_from_the_first_arrival(tmp_path):
     path = str(tmp_path / "t.jsonl")
     recorder = TraceRecorder(path)
