@@ -258,3 +258,89 @@ def test_a_bad_path_fails_at_register_and_installs_nothing(monkeypatch, tmp_path
         plugin.register()
     assert (Scheduler.__init__, Scheduler.add_request, Scheduler._free_request) == methods
     assert not plugin.installed() and "KVPROOF_STOP_REPORT" not in os.environ
+
+
+_OFFLINE = """
+import json, os
+from vllm import SamplingParams
+from vllm.engine.arg_utils import EngineArgs
+from vllm.plugins import load_general_plugins
+from vllm.v1.engine.llm_engine import LLMEngine
+from kvproof.integrations.vllm.tiny_model import tiny_model_dir
+load_general_plugins()
+engine = LLMEngine.from_engine_args(EngineArgs(
+    model=tiny_model_dir(), skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=512,
+    enable_prefix_caching=True, max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=256,
+    distributed_executor_backend="kvproof.integrations.vllm.cpu_executor.CpuStagingExecutor"))
+system = [(7 * i) % 1000 for i in range(700)]
+requests = {  # id: prompt, max tokens, arrival (s), cache salt
+    "a": (system + [1, 2, 3], 5, 1000.0, None), "b": (system + [4, 5], 1, 1000.25, None),
+    "salted": (system + [1, 2, 3], 2, 1000.5, "tenant-b"), "aborted": (system + [9] * 100, 60, 1001.0, None),
+    "running": ([3] * 900, 500, 1001.5, None),
+}
+for rid, (prompt, n, arrival, salt) in requests.items():
+    engine.add_request(rid, {"prompt_token_ids": prompt, **({"cache_salt": salt} if salt else {})},
+                       SamplingParams(max_tokens=n, ignore_eos=True), arrival_time=arrival)
+generated, finished = {rid: 0 for rid in requests}, set()
+while not {"a", "b", "salted"} <= finished or generated["aborted"] < 3:
+    for out in engine.step():
+        generated[out.request_id] = len(out.outputs[0].token_ids)
+        if out.finished:
+            finished.add(out.request_id)
+engine.abort_request(["aborted"])
+for _ in range(3):
+    for out in engine.step():
+        generated[out.request_id] = len(out.outputs[0].token_ids)
+engine.engine_core.shutdown()
+print("REPORT " + json.dumps({"generated": generated, "finished": sorted(finished)}), flush=True)
+"""
+
+
+@pytest.mark.vllm
+def test_an_offline_engine_records_finished_and_aborted_requests_not_running_ones(tmp_path):
+    """vLLM's real engine (the staging executor, the plugin loaded as vLLM loads it, no checks):
+    the real ``Request``'s fields reach the file -- the given arrival times, the tokens
+    generated, an aborted request's so far, the cache salt -- and a request still running at
+    shutdown has no line."""
+    pytest.importorskip("vllm")
+    from .test_plugin import _run_fresh
+
+    path = str(tmp_path / "offline.jsonl")
+    report = _run_fresh(_OFFLINE, KVPROOF_RECORD=path)
+    generated = report["generated"]
+    assert {"a", "b", "salted"} <= set(report["finished"]) and "running" not in report["finished"]
+    lines = [json.loads(line) for line in open(path)]
+    by_length = {(x["input_length"], x["output_length"]): x for x in lines}
+    assert sorted(by_length) == sorted([(703, 5), (702, 1), (703, 2), (800, generated["aborted"])])
+    assert 3 <= generated["aborted"] < 60
+    a, b, salted, aborted = (by_length[k] for k in [(703, 5), (702, 1), (703, 2), (800, generated["aborted"])])
+    assert (a["timestamp"], b["timestamp"], salted["timestamp"], aborted["timestamp"]) == (0, 250, 500, 1000)
+    assert a["hash_ids"][0] == b["hash_ids"][0] == aborted["hash_ids"][0] and a["hash_ids"][1] != b["hash_ids"][1]
+    assert not set(salted["hash_ids"]) & set(a["hash_ids"] + b["hash_ids"] + aborted["hash_ids"])
+
+
+_DATA_PARALLEL = """
+import json
+from types import SimpleNamespace
+from vllm.plugins import load_general_plugins
+from vllm.v1.core.sched.scheduler import Scheduler
+load_general_plugins()
+try:
+    Scheduler.__init__(object.__new__(Scheduler), SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=2)))
+    error = None
+except ValueError as e:
+    error = str(e)
+print("REPORT " + json.dumps({"error": error}), flush=True)
+"""
+
+
+@pytest.mark.vllm
+def test_a_data_parallel_engine_is_refused_at_scheduler_construction(tmp_path):
+    pytest.importorskip("vllm")
+    from .test_plugin import _run_fresh
+
+    report = _run_fresh(_DATA_PARALLEL, KVPROOF_RECORD=str(tmp_path / "t.jsonl"))
+    expected = ("KVPROOF_RECORD records one engine, not 2 data-parallel ones: serve with --data-parallel-size 1, "
+                "or unset KVPROOF_RECORD")
+    assert report["error"] == expected
+    assert report["status"] == 1 and report["last"] == "kvproof: " + expected  # the stop report's last line
