@@ -186,6 +186,18 @@ def test_salt_adapter_and_multimodal_inputs_separate_equal_tokens():
     assert len({cat[1], dog[1], plain[1]}) == 3 and len({cat[2], dog[2], plain[2]}) == 3
 
 
+def test_a_requests_adapter_and_images_reach_its_ids(tmp_path):
+    path = str(tmp_path / "t.jsonl")
+    recorder = TraceRecorder(path)
+    prompt = tokens(2 * B, 41)
+    sql = types.SimpleNamespace(lora_name="sql", lora_path="/adapters/sql")
+    for req in (request(prompt, 1, 1.0), request(prompt, 1, 2.0, lora=sql),
+                request(prompt, 1, 3.0, mm=[("image-1", B + 3, 20)]), request(prompt, 1, 4.0)):
+        recorder.finished(req)
+    plain, adapter, image, again = (json.loads(line)["hash_ids"] for line in open(path))
+    assert again == plain and not set(adapter) & set(plain) and image[0] == plain[0] and image[1] != plain[1]
+
+
 def test_requests_without_token_ids_are_skipped(tmp_path):
     path = str(tmp_path / "t.jsonl")
     recorder = TraceRecorder(path)
