@@ -61,7 +61,8 @@ def check_path(path: str, first: bool) -> None:
     if not os.path.isdir(folder):
         raise refuse(f"folder {folder!r} does not exist")
     if first and os.path.exists(path) and os.path.getsize(path) > 0:
-        raise refuse(f"already holds {os.path.getsize(path):,} bytes (an earlier recording?); move it or name a new file")
+        size = os.path.getsize(path)
+        raise refuse(f"already holds {size:,} bytes (an earlier recording?); move it or name a new file")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError as e:

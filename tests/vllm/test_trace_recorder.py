@@ -338,7 +338,8 @@ from vllm.plugins import load_general_plugins
 from vllm.v1.core.sched.scheduler import Scheduler
 load_general_plugins()
 try:
-    Scheduler.__init__(object.__new__(Scheduler), SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=2)))
+    config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=2))
+    Scheduler.__init__(object.__new__(Scheduler), config)
     error = None
 except ValueError as e:
     error = str(e)
