@@ -41,7 +41,8 @@ gpu_count = decimal(1 << 20, "GPUs of a deployment")
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("plan", help=HELP, description=HELP, conflict_handler="resolve")
     w = p.add_argument_group("workload (default: the first 1,000 requests of the Mooncake conversation trace)")
-    w.add_argument("--trace", metavar="FILE", help="a trace in kvproof's JSON Lines or the Mooncake format (detected)")
+    w.add_argument("--trace", metavar="FILE", help="a trace in kvproof's JSON Lines or the Mooncake format (detected; "
+                   "KVPROOF_RECORD=FILE vllm serve ... records your own traffic so)")
     w.add_argument("--limit", type=any_decimal, metavar="N", help="only the first N requests of the trace")
     w.add_argument("--step-ms", type=decimal_number, default=50.0, metavar="MS",
                    help="wall time of one scheduler step, mapping timestamps to steps (default 50)")

@@ -3,8 +3,12 @@ vLLM process, without ``--scheduler-cls``.
 
 vLLM loads general plugins once per process -- API server, engine core (before the executor,
 KV-cache set-up and the scheduler), every worker (before the model runner) -- and calls
-``register()``. It is inert unless ``KVPROOF_MANAGER=kvproof`` or ``KVPROOF_CONTRACTS`` is set,
-so installing kvproof changes nothing in production.
+``register()``. It is inert unless ``KVPROOF_MANAGER=kvproof``, ``KVPROOF_CONTRACTS`` or
+``KVPROOF_RECORD`` is set, so installing kvproof changes nothing in production.
+
+``KVPROOF_RECORD=FILE`` (with either manager, with or without checks) records the engine's
+finished requests as a Mooncake-format trace (``trace_recorder``; a path it cannot write, or a
+file already holding data, stops the start naming the value).
 
 ``KVPROOF_MANAGER=kvproof`` (``vllm`` or unset: vLLM's own) binds the name vLLM's Scheduler
 builds its manager with to kvproof's (``kvproof_manager.KvproofKVCacheManager``), after
@@ -43,7 +47,7 @@ import os
 import sys
 from typing import Optional
 
-from kvproof.integrations.vllm import TESTED_VLLM_VERSIONS, serving_options, stop_report
+from kvproof.integrations.vllm import TESTED_VLLM_VERSIONS, serving_options, stop_report, trace_recorder
 from kvproof.integrations.vllm.violations import contracts_mode, logger, violation_action
 
 MANAGERS = ("vllm", "kvproof")
@@ -57,15 +61,23 @@ def register() -> None:
     global _installed
     mode = contracts_mode()
     kvproof_manager = manager_choice() == "kvproof"
-    if (mode is None and not kvproof_manager) or _installed:
+    record = trace_recorder.recording_path()
+    if (mode is None and not kvproof_manager and record is None) or _installed:
         return
     violation_action()  # a bad KVPROOF_ON_VIOLATION fails here, at start, not at the first violation
     if kvproof_manager:
         serving_options.from_environment()  # and a bad KVPROOF_OPTIONS
+    if record is not None:  # and a path the recording cannot be written to (the first process creates it)
+        trace_recorder.check_path(record, first=not os.environ.get(stop_report.ENV))
     import vllm
 
     if vllm.__version__ not in TESTED_VLLM_VERSIONS:
-        switch = "KVPROOF_MANAGER=kvproof asks for kvproof's manager" if kvproof_manager else f"KVPROOF_CONTRACTS={mode} asks for checks"
+        if kvproof_manager:
+            switch = "KVPROOF_MANAGER=kvproof asks for kvproof's manager"
+        elif mode is not None:
+            switch = f"KVPROOF_CONTRACTS={mode} asks for checks"
+        else:
+            switch = f"KVPROOF_RECORD={record} asks for a recording"
         raise RuntimeError(
             f"kvproof: {switch}, but vLLM {vllm.__version__} is not a version they "
             f"were tested against ({', '.join(TESTED_VLLM_VERSIONS)}); they read vLLM's internals. Install a "
@@ -75,10 +87,12 @@ def register() -> None:
         _forget_dead_processes_metrics()
     if kvproof_manager:
         _install_kvproof_manager(slow=mode == "slow")
-    else:
+    elif mode is not None:
         _install_scheduler_side()
     if mode is not None:
         _install_worker_side()
+    if record is not None:
+        _install_recorder(record)
     _installed = True
 
 
@@ -192,6 +206,45 @@ def _install_kvproof_manager(slow: bool) -> None:
     scheduler_module.KVCacheManager = build
     if slow:
         set_slow(True)
+
+
+def _install_recorder(path: str) -> None:
+    """Every Scheduler of this process records its finished requests to ``path``
+    (``trace_recorder``): it notes the first arrival in ``add_request`` and writes a line after
+    ``_free_request`` (every finish: a stop, an abort). One engine per file: a data-parallel
+    Scheduler is refused at construction (each engine would number blocks on its own)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    recorder = trace_recorder.TraceRecorder(path)
+    init, add, free = Scheduler.__init__, Scheduler.add_request, Scheduler._free_request
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        dp = vllm_config.parallel_config.data_parallel_size
+        if dp > 1:
+            message = (f"KVPROOF_RECORD records one engine, not {dp} data-parallel ones: serve with "
+                       "--data-parallel-size 1, or unset KVPROOF_RECORD")
+            stop_report.record(message)
+            raise ValueError(message)
+        init(self, vllm_config, *args, **kwargs)
+        logger.info("kvproof records this engine's finished requests to %s (Mooncake format)", path)
+
+    def add_request(self, request):
+        recorder.arrived(request.arrival_time)
+        return add(self, request)
+
+    def _free_request(self, request, *args, **kwargs):
+        result = free(self, request, *args, **kwargs)
+        try:
+            recorder.finished(request)
+        except Exception as e:  # noqa: BLE001 -- a recorder fault must not stop serving
+            recorder.stopped = f"KVPROOF_RECORD={path!r}: recording stopped: {type(e).__name__}: {e}"
+            logger.warning("kvproof: %s; serving goes on", recorder.stopped)
+        return result
+
+    for name, wrapper, original in (("__init__", __init__, init), ("add_request", add_request, add),
+                                    ("_free_request", _free_request, free)):
+        wrapper.__wrapped__ = original
+        setattr(Scheduler, name, wrapper)
 
 
 def _install_worker_side() -> None:

@@ -12,6 +12,8 @@ starts from zero all the same."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import io
 import json
 import os
 import random
@@ -27,20 +29,25 @@ pytest.importorskip("psutil")
 
 from kvproof.integrations.vllm.engine_harness import EngineHarness, StepHook  # noqa: E402
 from kvproof.integrations.vllm.kvproof_manager import KvproofKVCacheManager  # noqa: E402
+from kvproof.cli.main import main  # noqa: E402
 from kvproof.integrations.vllm.tiny_model import ATTENTION_ONLY  # noqa: E402
+from kvproof.planner.reuse import reusable_fraction, workload_reuse  # noqa: E402
+from kvproof.sim.mooncake import MOONCAKE_BLOCK  # noqa: E402
 from kvproof.sim.replay import replay  # noqa: E402
 from kvproof.sim.trace import TraceRequest  # noqa: E402
+from kvproof.sim.workload import read_workload  # noqa: E402
 from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
 
 from .serving import BLOCK, BUDGET, MAX_LEN, MAX_SEQS, NUM_BLOCKS, Server  # noqa: E402
 
 
-def chats(seed: int, num_chats: int, turns: int, systems: int = 3):
-    """Chats over a few shared system prompts; a turn's prompt is the previous prompt, its
-    output and new user tokens (the outputs come from the server)."""
+def chats(seed: int, num_chats: int, turns: int, systems: int = 3, system_len: tuple[int, int] = (60, 300)):
+    """Chats over a few shared system prompts (``system_len``: their length range); a turn's
+    prompt is the previous prompt, its output and new user tokens (the outputs come from the
+    server)."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(1000) for _ in range(rng.randrange(60, 300))] for _ in range(systems)]
+    prompts = [[rng.randrange(1000) for _ in range(rng.randrange(*system_len))] for _ in range(systems)]
     for c in range(num_chats):
         history = list(prompts[c % systems])
         for t in range(turns):
@@ -275,3 +282,72 @@ def test_vllm_serve_speculative_with_kvproofs_manager():
           f"cached {sum(served.values())} tokens with either manager ({sum(without_drafts.values())} without drafts); "
           f"the oracle checked {checked:.0f} tokens; vLLM's manager under kvproof's checks: "
           f"{metric(results['vllm'][3], 'kvproof_violations_total'):.0f} violations")
+
+
+@pytest.mark.parametrize("manager", ["vllm", "kvproof"])
+def test_a_recorded_trace_of_served_chats_plans_their_reuse(manager, tmp_path):
+    """``KVPROOF_RECORD``: multi-turn chats over system prompts of one to three Mooncake blocks,
+    served (one at a time, then a concurrent burst), recorded, and planned on. The file has one
+    line per finished request with the usage replies' lengths; two requests' ids agree on a
+    whole block exactly when their prompts agree up to its end, and a chat's next turn carries
+    the previous turn's ids. ``kvproof plan --trace FILE`` then replays the sequential requests:
+    its ceiling at 512-token units equals the one computed from the served token ids (prompt
+    reuse in whole blocks is recorded exactly), at the planner's hash unit it lies between that
+    and the token ids' own, and its replay hits."""
+    path = str(tmp_path / "served.jsonl")
+    server = Server(2, env={"KVPROOF_MANAGER": manager, "KVPROOF_RECORD": path})
+    try:
+        server.wait_until_up()
+        assert os.path.getsize(path) == 0  # created at start, empty until a request finishes
+        trace, usage, burst = serve_chats(server, chats(7, 6, 4, system_len=(600, 1400)))
+    finally:
+        code, left = server.stop()
+    assert code == 0 and left == [], server.final_output[-4000:]
+    assert "kvproof records this engine's finished requests" in server.final_output
+
+    text = open(path).read()
+    assert text.endswith("\n")
+    lines = [json.loads(line) for line in text.splitlines()]
+    assert len(lines) == len(trace) + len(burst)
+    # The sequential requests finished first, in order; the burst's lines in any order.
+    sequential, rest = lines[:len(trace)], lines[len(trace):]
+    assert [(x["input_length"], x["output_length"]) for x in sequential] == [
+        (usage[t.id]["prompt_tokens"], usage[t.id]["completion_tokens"]) for t in trace]
+    assert [len(t.prompt) for t in trace] == [x["input_length"] for x in sequential]
+    assert sorted((x["input_length"], x["output_length"]) for x in rest) == sorted(
+        (u["prompt_tokens"], u["completion_tokens"]) for u in burst)
+    stamps = [x["timestamp"] for x in sequential]
+    assert stamps[0] == 0 and stamps == sorted(stamps) and stamps[-1] > 0
+    B = MOONCAKE_BLOCK
+    for i, (a, x) in enumerate(zip(trace, sequential)):
+        for b, y in zip(trace[:i], sequential[:i]):
+            for k in range(min(len(a.prompt), len(b.prompt)) // B):
+                assert (x["hash_ids"][k] == y["hash_ids"][k]) == (a.prompt[:B * (k + 1)] == b.prompt[:B * (k + 1)])
+    turns = {}  # chat -> its turns' lines, in order
+    for t, x in zip(trace, sequential):
+        turns.setdefault(t.id.partition("t")[0], []).append(x["hash_ids"])
+    assert all(later[:len(earlier)] == earlier for ids in turns.values() for earlier, later in zip(ids, ids[1:]))
+    assert len({ids[0][0] for ids in turns.values()}) == 3  # six chats over three system prompts of 600+ tokens
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        status = main(["plan", "--trace", path, "--limit", str(len(trace)), "--json", "--no-progress", "--jobs", "1",
+                       "--group", f"mamba:{BLOCK}", "--group", f"full_attention:{BLOCK}", "--dcp", "2",
+                       "--max-model-len", str(MAX_LEN), "--num-blocks", str(NUM_BLOCKS),
+                       "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", str(MAX_SEQS)])
+    assert status == 0
+    plan = json.loads(buf.getvalue())
+    assert plan["workload"]["requests"] == len(trace) and "Mooncake format" in plan["workload"]["description"]
+    (config,) = plan["configs"]
+    unit = config["hash_block_size"]
+    prompts = [TraceRequest(t.id, t.prompt, (), t.arrival) for t in trace]  # Mooncake replies are fresh tokens
+    truth = reusable_fraction(prompts, (B, unit)).fractions
+    recorded = workload_reuse(read_workload(path, limit=len(trace)), (B, unit)).fractions
+    assert recorded[B] == pytest.approx(truth[B]) and truth[B] > 0.3
+    assert plan["reuse_bound"][str(unit)] == pytest.approx(recorded[unit], abs=1e-6)
+    assert recorded[B] <= recorded[unit] <= truth[unit]
+    assert 0 < config["hit_rate"] <= plan["reuse_bound"][str(unit)]
+    served = sum(cached(usage[t.id]) for t in trace) / sum(len(t.prompt) for t in trace)
+    print(f"\n{manager}'s manager: {len(lines)} requests recorded; ceiling from the file {recorded[unit]:.1%} "
+          f"(token ids: {truth[unit]:.1%}; whole blocks {truth[B]:.1%} both), planned hit rate "
+          f"{config['hit_rate']:.1%}, served {served:.1%}")
