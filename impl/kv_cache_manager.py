@@ -161,41 +161,45 @@ class KVCacheManager:
         computed ones (after ``hit`` for a waiting request, which must come from ``lookup`` in
         this step). Returns, per group, the block ids to append to the worker's row (the whole
         row for a new request), or None when the pool is short; then nothing changed."""
-        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens <= 0:
-            raise ValueError(f"request {request.request_id!r}: num_new_tokens {num_new_tokens!r} must be an int > 0")
-        if request.request_id in self._in_flight:
+        return self._allocate(request, num_new_tokens, hit, "num_new_tokens", known_only=True)
+
+    def _allocate(self, request: Request, count: int, hit: Optional[Hit], name: str,
+                  known_only: bool) -> Optional[tuple[list[int], ...]]:
+        """``allocate_slots`` and ``reserve_slots``: ``count`` slots after the computed tokens
+        (after the hit), only for known tokens when ``known_only``."""
+        rid = request.request_id
+        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+            raise ValueError(f"request {rid!r}: {name} {count!r} must be an int > 0")
+        if rid in self._in_flight:
             raise ValueError(
-                f"request {request.request_id!r} was already allocated this step; "
+                f"request {rid!r} was already allocated this step; "
                 "a request gets one allocate_slots per step, and cache() after its forward pass"
             )
         running = self.coordinator.is_running(request)
         if running:
             if hit is not None and hit.num_tokens:
-                raise ValueError(f"request {request.request_id!r} is running; a running request takes no hit")
+                raise ValueError(f"request {rid!r} is running; a running request takes no hit")
             start = request.num_computed_tokens
         else:
             hit = hit if hit is not None else self.coordinator.miss
             start = hit.num_tokens
-        total = start + num_new_tokens
-        if total > len(request.token_ids):
-            raise ValueError(
-                f"request {request.request_id!r}: {start} + {num_new_tokens} tokens exceed the {request.num_tokens} known tokens"
-            )
+        total = start + count
+        if known_only and total > len(request.token_ids):
+            raise ValueError(f"request {rid!r}: {start} + {count} tokens exceed the {request.num_tokens} known tokens")
         if total > self._max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r}: {total} tokens exceed max_model_len {self._max_model_len}"
-            )
+            raise ValueError(f"request {rid!r}: {start} + {count} {'tokens' if known_only else 'slots'} exceed "
+                             f"max_model_len {self._max_model_len}")
         free_before = self.pool.num_free
         result = self.coordinator.allocate(request, total, hit)
         if result is None:
             if self.pool.num_free != free_before:
-                raise InvariantViolation("INV-ALLOC-ATOMIC", f"request {request.request_id!r}: a failed allocation changed the pool")
+                raise InvariantViolation("INV-ALLOC-ATOMIC", f"request {rid!r}: a failed allocation changed the pool")
             return None
         if not running:
             request.num_computed_tokens = hit.num_tokens
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = hit.num_tokens
-        self._in_flight.add(request.request_id)
+        self._in_flight.add(rid)
         return result
 
     def take_block_copies(self) -> list[tuple[int, int, int]]:
@@ -266,24 +270,7 @@ class KVCacheManager:
         computed tokens, some of which may hold tokens not known yet: vLLM's Scheduler allocates
         for draft tokens, EAGLE lookahead and async-scheduling placeholders before they are
         sampled. Nothing unknown is ever keyed: ``cache`` keys only hashed (known) tokens."""
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
-            raise ValueError(f"request {request.request_id!r}: num_slots {num_slots!r} must be an int > 0")
-        if request.request_id in self._in_flight:
-            raise ValueError(f"request {request.request_id!r} was already allocated this step")
-        running = self.coordinator.is_running(request)
-        if running and hit is not None and hit.num_tokens:
-            raise ValueError(f"request {request.request_id!r} is running; a running request takes no hit")
-        hit = None if running else (hit if hit is not None else self.coordinator.miss)
-        total = (request.num_computed_tokens if running else hit.num_tokens) + num_slots
-        if total > self._max_model_len:
-            raise ValueError(f"request {request.request_id!r}: {total} slots exceed max_model_len {self._max_model_len}")
-        result = self.coordinator.allocate(request, total, hit)
-        if result is None:
-            return None
-        if not running:
-            request.num_computed_tokens = hit.num_tokens
-        self._in_flight.add(request.request_id)
-        return result
+        return self._allocate(request, num_slots, hit, "num_slots", known_only=False)
 
     def blocks_needed(self, request: Request, total_tokens: int, hit: Optional[Hit] = None) -> int:
         """Free blocks an allocation to ``total_tokens`` would take now (``hit``: a waiting
