@@ -31,7 +31,9 @@ it holds (Mamba), *as of the start of the current step*: an allocation records t
 the step's forward will write, and they are applied when the next step starts (for async
 scheduling too: a step's copies run after the previous step's forward). A block handed out by
 the pool holds nothing. A request freed while a step is being scheduled (preempted) writes
-nothing in that step.
+nothing in that step. A KV connector's tokens (``num_external_computed_tokens``) are its load's
+writes: a synchronous load's with the step's own, an asynchronous load's once the worker side
+reports it received and vLLM caches what arrived (INV-CONNECTOR-LOAD-ARRIVED).
 """
 
 from __future__ import annotations
