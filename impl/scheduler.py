@@ -20,10 +20,10 @@ import dataclasses
 import operator
 from typing import Optional
 
-from kvproof.impl.hashing import key_at
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
 from kvproof.impl.chunk_split import ChunkSplitter
+from kvproof.impl.same_step import SameStepKeys
 from kvproof.spec.chunk_split import SplitRule
 from kvproof.spec.groups import GroupKind, MambaCacheMode
 
@@ -93,10 +93,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_producer_waits = 0
         self.step = 0
-        # this step's chunks (request, start, end), and the hashes of the prefixes they will key
-        # (hittable after the step), worked out only once a waiting request asks
-        self._chunks_this_step: list[tuple[Request, int, int]] = []
-        self._keyed_this_step: Optional[set[tuple[bytes, int]]] = None
+        # this step's chunks and the prefixes they will key (hittable after the step)
+        self._same_step = SameStepKeys(kv)
         self._splitter = _splitter_for(kv, max_num_batched_tokens, long_prefill_token_threshold)
 
     def add_request(self, request: Request) -> None:
@@ -135,8 +133,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         scheduled: set[str] = set()
-        self._chunks_this_step = []
-        self._keyed_this_step = None
+        self._same_step.clear()
         queue = list(self.running)
         i = 0
         while i < len(queue) and budget > 0:
@@ -160,7 +157,7 @@ class Scheduler:
             if blocks is None:
                 continue
             chunks.append(ScheduledChunk(req, start, end - start, blocks, overwrite=False))
-            self._note_chunk(req, start, end)
+            self._same_step.note(req, start, end)
             scheduled.add(req.request_id)
             budget -= end - start
             i += 1
@@ -173,7 +170,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
             chunks.append(admitted)
-            self._note_chunk(req, admitted.start, admitted.start + admitted.num_tokens)
+            self._same_step.note(req, admitted.start, admitted.start + admitted.num_tokens)
             budget -= admitted.num_tokens
         return StepPlan(self.step, chunks, self.kv.take_block_copies(), preempted)
 
@@ -184,7 +181,7 @@ class Scheduler:
         that fits an empty pool without a hit is always admitted. Raises CapacityError when
         not even that fits."""
         hit = self.kv.lookup(req)
-        if self._producer_in_flight(req, hit.num_tokens):
+        if self._same_step.producer_in_flight(req, hit.num_tokens):
             self.num_producer_waits += 1
             return None
         fallbacks = self.kv.cheaper_hits(req, hit) if alone else iter(())
@@ -223,36 +220,6 @@ class Scheduler:
             f"request {req.request_id!r} cannot get blocks for {end} tokens even with the pool to itself "
             f"({self.kv.num_blocks - 1} blocks); raise --num-blocks",
         )
-
-    def _note_chunk(self, req: Request, start: int, end: int) -> None:
-        """Record that ``req`` computes ``[start, end)`` in this step, if it reaches a new length
-        on the hit grid (only those can be keyed; most decode steps do not)."""
-        a = self.kv.alignment
-        if end // a == start // a:
-            return
-        self._chunks_this_step.append((req, start, end))
-        if self._keyed_this_step is not None:
-            self._add_keyed(req, start, end)
-
-    def _add_keyed(self, req: Request, start: int, end: int) -> None:
-        h = self.kv.hash_block_size
-        # Group 0's key names the prefix: a set of them tells which prefixes this step keys.
-        self._keyed_this_step.update(key_at(req.block_hashes, n, h, 0) for n in self.kv.keyed_lengths(req, start, end))
-
-    def _producer_in_flight(self, req: Request, hit: int) -> bool:
-        """Whether this step keys a prefix ``req`` shares beyond ``hit`` (and short of its last
-        token, which it must compute). O(hit-grid lengths between the hit and the prompt end),
-        nothing when the step keys nothing."""
-        if self._keyed_this_step is None:
-            self._keyed_this_step = set()
-            for chunk in self._chunks_this_step:
-                self._add_keyed(*chunk)
-        keyed = self._keyed_this_step
-        if not keyed:
-            return False
-        hashes, h, a = req.block_hashes, self.kv.hash_block_size, self.kv.alignment
-        top = min(req.num_tokens - 1, len(hashes) * h) // a * a
-        return any(key_at(hashes, n, h, 0) in keyed for n in range(top, hit, -a))
 
     def _preempt(self, request: Request, preempted: list[Request]) -> None:
         self.kv.free(request)

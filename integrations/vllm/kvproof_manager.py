@@ -49,6 +49,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.stats import PrefixCacheStats
 
 from kvproof.impl.coordinator import Hit
+from kvproof.impl.same_step import SameStepKeys
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.integrations.vllm import serving_options
 from kvproof.integrations.vllm.kv_specs import group_for_spec
@@ -84,7 +85,7 @@ class _RequestView:
     set before each facade call (written tokens when keying, computed ones when allocating)."""
 
     __slots__ = ("request", "request_id", "num_computed_tokens", "num_cached_tokens", "external", "allocated_to",
-                 "_hash_block_size")
+                 "defer", "_hash_block_size")
 
     def __init__(self, request, hash_block_size: int) -> None:
         self.request = request
@@ -96,6 +97,9 @@ class _RequestView:
         self.external: Optional[tuple[int, bool]] = None
         #: Known tokens the request's latest allocation computes (a same-step sharer's reach).
         self.allocated_to = 0
+        #: Its lookup found more of its prefix being computed in this step than is keyed: its
+        #: admission waits one step (``KvproofKVCacheManager.get_computed_blocks``).
+        self.defer = False
         self._hash_block_size = hash_block_size
 
     @property
@@ -265,6 +269,9 @@ class KvproofKVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in specs))
         self._views: dict[str, _RequestView] = {}
         self._allocated: dict[str, _RequestView] = {}  # allocated since the last keying
+        self._deferred: set[str] = set()  # waiting requests whose admission waited a step already
+        self.num_producer_waits = 0  # admissions that waited a step for a prefix being computed
+        self._same_step = SameStepKeys(self.manager)  # what this step's chunks will key
 
     # --- attributes -----------------------------------------------------------------------------
 
@@ -283,6 +290,7 @@ class KvproofKVCacheManager:
         for view in list(self._allocated.values()):
             self._key_written(view)
         self.manager.begin_step()
+        self._same_step.clear()
 
     def _key_written(self, view: _RequestView, written: Optional[int] = None, final: bool = False) -> None:
         """Key ``written`` tokens (default: the request's computed minus in-flight ones).
@@ -322,19 +330,25 @@ class KvproofKVCacheManager:
             return self.empty_kv_cache_blocks, 0, 0
         view = self._view(request)
         hit = self.manager.lookup(view, bound=max_cache_hit_length)
+        # A prefix another request computes in this step is keyed once that step ran: vLLM's
+        # manager lets the sharer hit it now (attention) or defers it a step (Mamba); kvproof's
+        # lets it wait one step, once, so it never caches fewer tokens than vLLM's would.
+        view.defer = view.request_id not in self._deferred and self._same_step.producer_in_flight(view, hit.num_tokens)
         if self._has_mamba:
-            hit = self._with_same_step_junction(view, hit, max_cache_hit_length)
+            shared = self._shared_this_step(view, max_cache_hit_length)
+            if shared > max((hit.num_tokens, *hit.junctions)):
+                hit = dataclasses.replace(hit, junctions=tuple(sorted((*hit.junctions, shared))))
         if not hit.num_tokens and not hit.junctions:
             return self.empty_kv_cache_blocks, 0, 0
         # A miss with junctions still travels to allocate_slots: retention keeps the states there.
         blocks = _HitBlocks(tuple([self._blocks[b] for b in ids] for ids in hit.blocks), hit)
         return blocks, hit.num_tokens, (hit.junctions[0] if hit.junctions else 0)
 
-    def _with_same_step_junction(self, view: _RequestView, hit: Hit, bound: Optional[int]) -> Hit:
-        """``hit`` with one more junction where ``view`` branches off a prefix another request
-        computes in this step. vLLM sees such a prefix at once (it keys at allocation) and stops
-        the sharer's chunk there, so the Mamba state at the junction is kept for the next
-        sharer; kvproof keys it only after the step, so the junction is found from the hashes."""
+    def _shared_this_step(self, view: _RequestView, bound: Optional[int]) -> int:
+        """How far ``view``'s prefix (on the hit grid, within the hit bound) is one that another
+        request computes in this step. vLLM sees such a prefix at once (it keys at allocation)
+        and stops the sharer's chunk there, so the Mamba state at that junction is kept for the
+        next sharer; kvproof keys it only after the step, so it is found from the hashes."""
         limit = view.num_tokens - 1 if bound is None else min(bound, view.num_tokens - 1)
         shared = 0
         for other in self._allocated.values():
@@ -342,10 +356,7 @@ class KvproofKVCacheManager:
                 common = _common_prefix(view.block_hashes, other.block_hashes) * self._hash_block_size
                 shared = max(shared, min(common, other.allocated_to))
         shared = min(shared, limit)
-        shared -= shared % self.manager.alignment
-        if shared <= max((hit.num_tokens, *hit.junctions)):
-            return hit
-        return dataclasses.replace(hit, junctions=tuple(sorted((*hit.junctions, shared))))
+        return shared - shared % self.manager.alignment
 
     def get_computed_blocks_for_connector(self, request, max_cache_hit_length=None):
         _refuse_connector("get_computed_blocks_for_connector")
@@ -394,6 +405,11 @@ class KvproofKVCacheManager:
             self._key_written(view)
         running = self.manager.is_running(view)
         hit = self._hit_of(request, num_new_computed_tokens, new_computed_blocks, running)
+        if view.defer and not running:  # waits a step for the prefix this step computes
+            view.defer = False
+            self._deferred.add(view.request_id)
+            self.num_producer_waits += 1
+            return None
         start = request.num_computed_tokens if running else hit.num_tokens
         view.num_computed_tokens = start
         slots = min(start + num_external_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len) - start
@@ -406,7 +422,9 @@ class KvproofKVCacheManager:
         if rows is None:
             return None
         self._allocated[view.request_id] = view
+        self._deferred.discard(view.request_id)
         view.allocated_to = min(start + slots, request.num_tokens)
+        self._same_step.note(view, start, view.allocated_to)
         if num_external_computed_tokens:
             view.external = (start, delay_cache_blocks)
         new = rows if running else tuple(row[len(bl):] for row, bl in zip(rows, hit.blocks))
@@ -458,6 +476,7 @@ class KvproofKVCacheManager:
 
     def free(self, request) -> None:
         """Key what the request has written, then release its blocks (finished or preempted)."""
+        self._deferred.discard(request.request_id)
         view = self._views.pop(request.request_id, None)
         if view is None or not self.manager.is_running(view):
             return

@@ -189,9 +189,9 @@ def test_vllm_serve_with_kvproofs_manager(dcp, num_chats, turns):
     """The same conversations served with kvproof's manager (``KVPROOF_MANAGER=kvproof``,
     kvproof's rules) and the cheap checks. Stock vLLM's cached tokens come from vLLM's real
     Scheduler and manager on the same trace (the engine harness, which
-    ``test_vllm_serve_with_checks`` shows equal to a served stock server). The requests are
-    sequential, so none is a same-step sharer of another's prefix (docs/vllm.md, "The price"):
-    none may cache fewer tokens than with vLLM's manager."""
+    ``test_vllm_serve_with_checks`` shows equal to a served stock server). None may cache
+    fewer tokens than with vLLM's manager (a same-step sharer of another's prefix waits a step:
+    docs/vllm.md, "Serving with kvproof's manager")."""
     server = Server(dcp, env={"KVPROOF_MANAGER": "kvproof"})
     try:
         server.wait_until_up()
