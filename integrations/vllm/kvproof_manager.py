@@ -49,8 +49,8 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.stats import PrefixCacheStats
 
 from kvproof.impl.coordinator import Hit
-from kvproof.impl.same_step import SameStepKeys
 from kvproof.impl.kv_cache_manager import KVCacheManager
+from kvproof.impl.same_step import SameStepKeys
 from kvproof.integrations.vllm import serving_options
 from kvproof.integrations.vllm.kv_specs import group_for_spec
 from kvproof.spec.layout import LayoutConfig, resolve_layout
