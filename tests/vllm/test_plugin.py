@@ -217,12 +217,13 @@ def test_kvproof_manager_serves_the_same_run_without_vllms_copy_hazard(contracts
     """KVPROOF_MANAGER=kvproof: the engine's Scheduler builds kvproof's manager, and the run on
     which vLLM's manager copies a block not yet written (above) completes, every copy batch
     checked by the staging executor, every request served (with the worker-side checks on top
-    under KVPROOF_CONTRACTS)."""
+    under KVPROOF_CONTRACTS). r1 arrives while r2's chunk computes the zeros it shares, so it
+    waits that step (``SameStepKeys``) and then hits 10 tokens (8 without the wait)."""
     env = {"KVPROOF_MANAGER": "kvproof"} | ({"KVPROOF_CONTRACTS": contracts} if contracts else {})
     report = _run_fresh(_INSTALLED, **env)
     assert report["installed"] and report["manager"] == "KvproofKVCacheManager" and not report["checker"]
     assert "violation" not in report and report["status"] == 0, report["last"]
-    assert sorted(report["hits"]) == ["r0", "r1", "r2"] and report["hits"]["r1"] == 8  # r0's first 8 tokens
+    assert sorted(report["hits"]) == ["r0", "r1", "r2"] and report["hits"]["r1"] == 10
     assert report["tables"] == report["copies"] == (contracts is not None)
 
 
