@@ -49,9 +49,10 @@ from kvproof.spec.groups import GroupKind, MambaCacheMode
 VLLM = "vllm"
 REUSE = "reuse"
 CHECKPOINT_POLICIES = (VLLM, REUSE)
-#: Rungs of the ``reuse`` policy: states per request beyond vLLM's (its budget). Two rungs reach
-#: three units below the last checkpoint.
-REUSE_BUDGET = 2
+#: Rungs of the ``reuse`` policy: states per request beyond vLLM's (its budget). One rung, one unit
+#: below the last checkpoint: on the Mooncake trace more rungs cost more attention hits than they
+#: bring back (docs/benchmarks.md, "Checkpoint policies").
+REUSE_BUDGET = 1
 
 
 def parse_checkpoints(text: str) -> str:
