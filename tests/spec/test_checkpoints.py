@@ -203,3 +203,50 @@ def test_a_next_turn_sharing_all_but_the_prompts_tail_resumes_at_a_rung(checkpoi
     assert result.violations == []
     hits = {r.request_id: r.num_cached_tokens for r in result.requests}
     assert hits == {"A": 0, "B": expected}
+
+
+# --- per-request dominance over vLLM's rule on sequential traffic -------------------------------
+
+@st.composite
+def conversations(draw):
+    """Sequential chat: each request a fresh prompt (after one of two system prompts) or a next
+    turn re-sending an earlier prompt cut anywhere near its end (its tail re-rendered) and more."""
+    system = [tuple(range(10_000 * (k + 1), 10_000 * (k + 1) + draw(st.integers(1, 40)))) for k in range(2)]
+    prompts, trace = [], []
+    for i in range(draw(st.integers(2, 7))):
+        fresh = tuple(range(100_000 * (i + 1), 100_000 * (i + 1) + draw(st.integers(1, 60))))
+        if prompts and draw(st.booleans()):
+            earlier = draw(st.sampled_from(prompts))
+            prompt = earlier[:max(1, len(earlier) - draw(st.integers(0, 24)))] + fresh
+        else:
+            prompt = draw(st.sampled_from(system)) + fresh
+        prompts.append(prompt)
+        trace.append(TraceRequest(f"r{i}", prompt, (1, 2), arrival=1 + 1000 * i))
+    return trace
+
+
+@settings(max_examples=60, **REACH_SETTINGS)
+@given(conversations(), st.sampled_from([1, 2]), st.sampled_from([(4, 8, 4), (8, 8, 4), (4, 16, 2)]),
+       st.sampled_from([0, None]), st.sampled_from([16, 64, 2048]))
+def test_on_sequential_traffic_the_ladder_never_costs_a_request_hits(reach, trace, dcp, blocks, retention, budget):
+    """No request caches fewer tokens under ``reuse`` than under vLLM's rule (sequential requests,
+    a pool that never evicts), except in one named class, *earlier longer hit*: an earlier request
+    resumed further under ``reuse`` (at a rung), so it did not recompute the prefix whose chunk
+    ends left, under vLLM's rule, the state this request resumes from (found by Hypothesis: a
+    junction state made by a sibling that, under ``reuse``, hit past the junction)."""
+    reach.minimums = {"more": 15}
+    fa, mamba, h = blocks
+    hits = {}
+    for policy in CHECKPOINT_POLICIES:
+        lay = resolve_layout(LayoutConfig((CacheGroup(FA, fa), CacheGroup(MAMBA, mamba)), dcp=dcp, max_model_len=4096,
+                                          hash_block_size=h, retention_interval=retention, checkpoints=policy))
+        result = replay(trace, lay, num_blocks=4096, max_num_batched_tokens=budget)
+        assert result.violations == [] and result.evictions == 0
+        hits[policy] = {r.request_id: r.num_cached_tokens for r in result.requests}
+    order = [r.id for r in trace]
+    for i, rid in enumerate(order):
+        if hits["reuse"][rid] < hits["vllm"][rid]:
+            assert any(hits["reuse"][e] > hits["vllm"][e] for e in order[:i]), (rid, hits)
+            reach("earlier longer hit")
+    if sum(hits["reuse"].values()) > sum(hits["vllm"].values()):
+        reach("more")
