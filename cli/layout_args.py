@@ -8,6 +8,7 @@ import dataclasses
 
 from kvproof.cli.presets import DEFAULT_PRESET, PRESETS, Preset
 from kvproof.cli.values import TOKEN_LIMIT, any_decimal, check_at_most, parse_decimal, speculative_count, token_count
+from kvproof.spec.checkpoints import CHECKPOINT_POLICIES
 from kvproof.spec.eviction import LRU, POLICIES
 from kvproof.spec.groups import KIND_NAMES, MAMBA_MODE_NAMES, CacheGroup, GroupKind, parse_kind, parse_mamba_mode
 from kvproof.spec.layout import ATTENTION_KEYS, LayoutConfig
@@ -85,6 +86,9 @@ def add_layout_arguments(parser: argparse.ArgumentParser, default_preset: str = 
         help="which hash boundaries inside a full-attention / MLA block get a prefix-cache key: every-hash "
         "(default) every one the forward pass wrote; chunk-ends only each step's last one (vLLM's rule)",
     )
+    add("--checkpoints", choices=CHECKPOINT_POLICIES, default=CHECKPOINT_POLICIES[0],
+        help="where Mamba states are made and kept: 'vllm' (default) vLLM 0.33.0's positions; 'reuse' also a "
+        "ladder of states below each prompt's end, where a conversation's next turn resumes (docs/coordinator.md)")
     add(
         "--shared-prefix-checkpoint", action="store_true",
         help="end a prefill chunk exactly at a shared-prefix junction (default: at the Mamba block below it)",
@@ -149,4 +153,5 @@ def layout_config_from_args(
         shared_prefix_checkpoint=args.shared_prefix_checkpoint,
         eviction=args.eviction,
         attention_keys=args.attention_keys,
+        checkpoints=args.checkpoints,
     )

@@ -22,6 +22,7 @@ from kvproof.cli.values import (
     parse_decimal_number,
     token_count,
 )
+from kvproof.spec.checkpoints import CHECKPOINT_POLICIES
 from kvproof.spec.eviction import LRU, POLICIES
 
 HELP = "plan hit rate, memory and block tables per DCP size on a workload (default: real Kimi chat traffic)"
@@ -62,6 +63,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--eviction", default=LRU, metavar="POLICY[,POLICY...]",
                    help="eviction policies to compare side by side: lru (default, vLLM's), compute "
                    "(the least prefill compute lost per byte, aged by recency)")
+    p.add_argument("--checkpoints", default=CHECKPOINT_POLICIES[0], metavar="POLICY[,POLICY...]",
+                   help="checkpoint policies to compare (kvproof's engine): vllm (default, vLLM 0.33.0's Mamba state "
+                   "positions), reuse (also a ladder of states below each prompt's end, where a conversation's "
+                   "next turn resumes); the first is the plan's, the others get their own table")
     md = p.add_argument_group("model (instead of --preset / --group and the byte figures)")
     md.add_argument("--model", metavar="DIR",
                     help="a Hugging Face model folder with its config.json, as vllm serve takes (or a shipped one: "
@@ -121,6 +126,17 @@ def _policy_list(text: str) -> tuple[str, ...]:
     for part in text.split(","):
         if part.strip() not in POLICIES:
             raise ValueError(f"eviction policy {part.strip()!r} in --eviction {text!r} must be one of {', '.join(POLICIES)}")
+        out.append(part.strip())
+    return tuple(dict.fromkeys(out))
+
+
+def _checkpoint_list(text: str) -> tuple[str, ...]:
+    """``vllm,reuse`` -> ('vllm', 'reuse'); ValueError naming a value that is no policy."""
+    out = []
+    for part in text.split(","):
+        if part.strip() not in CHECKPOINT_POLICIES:
+            raise ValueError(f"checkpoint policy {part.strip()!r} in --checkpoints {text!r} must be one of "
+                             f"{', '.join(CHECKPOINT_POLICIES)}")
         out.append(part.strip())
     return tuple(dict.fromkeys(out))
 
@@ -241,7 +257,8 @@ def build_request(args: argparse.Namespace):
     deployment = Deployment(_tensor_parallel_size(args, model), args.gpus)
     dcps = _int_list(args.dcp, "DCP size", 1, 1024)
     policies = _policy_list(args.eviction)
-    layout_args = argparse.Namespace(**{**vars(args), "dcp": dcps[0], "eviction": policies[0]})
+    checkpoints = _checkpoint_list(args.checkpoints)
+    layout_args = argparse.Namespace(**{**vars(args), "dcp": dcps[0], "eviction": policies[0], "checkpoints": checkpoints[0]})
     model_preset = None if model is None else Preset(args.model, model.architecture, model.groups, 1, model.max_model_len)
     base = layout_config_from_args(layout_args, allow_partial_hash_hits=not args.no_partial_hash_hits, preset=model_preset)
     resolve_layout(base)
@@ -282,7 +299,7 @@ def build_request(args: argparse.Namespace):
     options = RunOptions(args.max_num_batched_tokens, args.max_num_seqs, args.eagle, args.oracle)
     return PlanRequest(
         workload, dataclasses.replace(base, dcp=1), dcps, memory, kv_bytes, args.num_blocks, sweep, options,
-        args.jobs or default_jobs(), engines=engines, policies=policies,
+        args.jobs or default_jobs(), engines=engines, policies=policies, checkpoints=checkpoints,
         model=model, objective=objective, deployment=deployment,
         serve_model=args.model if model is not None and os.path.isdir(args.model) else None,
         sweep_auto=args.memory_sweep == "auto",

@@ -18,7 +18,7 @@ class ChunkSplitter:
     """One layout's split rule; :meth:`end` is called for every prefill chunk."""
 
     __slots__ = ("mamba_block_size", "hash_block_size", "max_prefill", "partial_tail", "eagle", "lookahead", "exact_junction",
-                 "scheduler_block", "replay_alignment", "_replay")
+                 "scheduler_block", "replay_alignment", "rungs", "rung_unit", "_replay")
 
     def __init__(self, rule: SplitRule) -> None:
         self.mamba_block_size = rule.mamba_block_size
@@ -30,6 +30,8 @@ class ChunkSplitter:
         self.exact_junction = rule.shared_prefix_checkpoint
         self.scheduler_block = rule.scheduler_block_size
         self.replay_alignment = rule.replay_alignment
+        self.rungs = rule.rungs
+        self.rung_unit = rule.rung_unit
         self._replay: dict[int, tuple[int, ...]] = {}  # prompt length -> its replay stops
 
     def end(self, start: int, num_new: int, num_tokens: int, num_prompt: int, junctions: tuple[int, ...] = ()) -> int:
@@ -62,6 +64,16 @@ class ChunkSplitter:
             for stop in self._replay_stops(num_prompt):
                 if start < stop < end:
                     end = stop
+        if self.rungs:  # the turn-end ladder (spec.checkpoints.turn_end_rungs), highest rung first
+            gap = self.rung_unit
+            rung = _checkpoint(num_prompt, gap, self.eagle, self.lookahead)
+            for _ in range(self.rungs):
+                rung -= gap
+                if rung <= start:
+                    break
+                if rung < end:
+                    end = rung
+                gap += gap
         for j in junctions:
             if start < j < target:  # a junction the unclipped chunk reaches (vLLM's test)
                 stop = j if self.exact_junction and j <= num_prompt else start + (j - start) // b * b

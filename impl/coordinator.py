@@ -12,6 +12,7 @@ from kvproof.impl.fixpoint import fixpoint
 from kvproof.impl.managers import MANAGER_FOR_KIND, SingleTypeManager, StepLedger
 from kvproof.impl.request import Request
 from kvproof.spec.arith import cdiv_unchecked
+from kvproof.spec.checkpoints import turn_end_ladder
 from kvproof.spec.contracts import InvariantViolation, slow
 from kvproof.spec.layout import Layout
 from kvproof.spec.groups import GroupKind
@@ -78,6 +79,7 @@ class HybridCoordinator:
             retention_interval=layout.config.retention_interval,
             scheduler_block_size=layout.scheduler_block_size,
             exact_junction=self.exact_junction,
+            rungs=turn_end_ladder(layout),
         )
         keys = dict(attention_keys=layout.config.attention_keys)
         self.managers: tuple[SingleTypeManager, ...] = tuple(

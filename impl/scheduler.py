@@ -24,6 +24,7 @@ from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
 from kvproof.impl.chunk_split import ChunkSplitter
 from kvproof.impl.same_step import SameStepKeys
+from kvproof.spec.checkpoints import turn_end_ladder
 from kvproof.spec.chunk_split import SplitRule
 from kvproof.spec.groups import GroupKind, MambaCacheMode
 
@@ -281,4 +282,5 @@ def _splitter_for(kv: KVCacheManager, budget: int, threshold: int) -> ChunkSplit
         scheduler_block_size=layout.scheduler_block_size if sparse else 0,
         replay_alignment=layout.cache_hit_alignment if sparse else 0,
     )
-    return ChunkSplitter(rule)
+    rungs, unit = turn_end_ladder(layout)
+    return ChunkSplitter(dataclasses.replace(rule, rungs=rungs, rung_unit=unit))

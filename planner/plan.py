@@ -44,6 +44,9 @@ class PlanRequest:
     engines: tuple[str, ...] = ("kvproof",)
     #: kvproof's eviction policies, each planned at every DCP size and memory size.
     policies: tuple[str, ...] = ("lru",)
+    #: Checkpoint policies (``spec.checkpoints``): the first is ``base``'s, the plan's own; each
+    #: other is replayed beside it at every DCP size and eviction policy (kvproof's engine).
+    checkpoints: tuple[str, ...] = ("vllm",)
     #: What ``--model`` read, when the layout came from a model folder.
     model: Optional[ModelLayout] = None
     objective: Objective = Objective("hit-rate")
@@ -64,11 +67,17 @@ class Task:
     eviction: str = "lru"
     #: The layout to replay instead of the plan's (a remedy's).
     config: Optional[LayoutConfig] = None
+    #: A checkpoint policy compared with the plan's (None: the plan's own).
+    checkpoints: Optional[str] = None
 
     def run(self, req: "PlanRequest", tick: Callable[[], None]) -> ConfigReport:
         base = dataclasses.replace(self.config or req.base, eviction=self.eviction)
+        if self.checkpoints is not None:
+            base = dataclasses.replace(base, checkpoints=self.checkpoints)
         if self.engine != "kvproof":
             from kvproof.planner.vllm_engine import run_config_vllm
+
+            base = dataclasses.replace(base, checkpoints="vllm")  # vLLM's Scheduler splits by its own rule
 
             return run_config_vllm(req.workload, base, self.dcp, self.pool, self.kv_memory_bytes, req.options, tick,
                                    self.engine)
@@ -93,6 +102,8 @@ class PlanResult:
     reuse_tokens: int = 0
     #: What the plan left out, one line each (the automatic sweep's too-small pools).
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: kvproof's engine under the other checkpoint policies (``PlanRequest.checkpoints[1:]``).
+    checkpoint_reports: list[ConfigReport] = dataclasses.field(default_factory=list)
 
     @property
     def violations(self) -> int:
@@ -118,6 +129,8 @@ def prepare(req: PlanRequest) -> tuple[dict[int, Layout], list[Task], list[str]]
         _check_pool(pool, d, req.kv_memory_bytes)
         check_capacity(longest, req.base, d, pool, req.options)  # the expanded geometry resolves too
         tasks += [Task(d, req.kv_memory_bytes, pool, False, eviction=e) for e in req.policies]
+        tasks += [Task(d, req.kv_memory_bytes, pool, False, eviction=e, checkpoints=c)
+                  for c in req.checkpoints[1:] for e in req.policies]
         if "vllm" in req.engines:
             tasks.append(Task(d, req.kv_memory_bytes, pool, False, "vllm"))
         if "kvproof-vllm" in req.engines:
@@ -179,7 +192,8 @@ def run_plan(req: PlanRequest, progress: Optional[Callable[[int, int], None]] = 
     started = time.perf_counter()
     layouts, tasks, notes = prepare(req)
     results = _run_tasks(req, tasks, progress)
-    reports = [r for r, t in zip(results, tasks) if not t.sweep and t.engine == "kvproof"]
+    reports = [r for r, t in zip(results, tasks) if not t.sweep and t.engine == "kvproof" and t.checkpoints is None]
+    compared = [r for r, t in zip(results, tasks) if t.checkpoints is not None]
     vllm_reports = [r for r, t in zip(results, tasks) if t.engine != "kvproof"]
     sweep = [r for r, t in zip(results, tasks) if t.sweep]
     if sweep:  # the main runs are sweep points too
@@ -195,7 +209,7 @@ def run_plan(req: PlanRequest, progress: Optional[Callable[[int, int], None]] = 
     diagnoses = _replay_remedies(req, diagnoses, results, tasks, _fine_unit(layouts), progress)
     return PlanResult(
         req, layouts, reports, sweep, vllm_reports, _recommendation(req, reports, sweep, vllm_reports), diagnoses, reuse,
-        time.perf_counter() - started, tasks[0].pool.vllm_groups, reuse_tokens, notes,
+        time.perf_counter() - started, tasks[0].pool.vllm_groups, reuse_tokens, notes, compared,
     )
 
 
@@ -222,7 +236,7 @@ def _replay_remedies(req: PlanRequest, diagnoses: list[Diagnosis], results: list
     """Each diagnosis with remedies, replayed with every candidate at its DCP size in the same pool
     (kvproof's engine, the first eviction policy), its message ending with what they measured."""
     measured = {r.dcp: (r, t) for r, t in zip(results, tasks) if t.engine == "kvproof" and not t.sweep
-                and t.eviction == req.policies[0]}
+                and t.eviction == req.policies[0] and t.checkpoints is None}
     plans = [(d, remedy) for d in diagnoses if d.dcp in measured
              for remedy in remedies.candidates(d, req.base, fine_unit)]
     if not plans:

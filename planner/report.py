@@ -33,6 +33,7 @@ def config_to_json(r: ConfigReport) -> dict:
         "seconds": round(r.seconds, 3),
         "engine": r.engine,
         "eviction": r.eviction,
+        "checkpoints": r.checkpoints,
     }
     if r.halves is not None:
         out["hit_rate_by_half"] = [round(h, 6) for h in r.halves]
@@ -61,6 +62,7 @@ def plan_to_json(result: PlanResult) -> dict:
             "max_num_seqs": req.options.max_num_seqs,
             "vllm_groups_per_group": list(result.vllm_groups),
             "eviction": list(req.policies),
+            "checkpoints": list(req.checkpoints),
         },
         "model": None if req.model is None else req.model.to_json(),
         "engine": "kvproof",
@@ -68,6 +70,7 @@ def plan_to_json(result: PlanResult) -> dict:
         "configs": [config_to_json(r) for r in result.reports],
         "vllm_configs": [{**config_to_json(r), "serve": _row_command(result, r)} for r in result.vllm_reports],
         "memory_sweep": [config_to_json(r) for r in result.sweep],
+        "checkpoint_configs": [config_to_json(r) for r in result.checkpoint_reports],
         "reuse_bound": {str(u): round(f, 6) for u, f in sorted(result.reuse.items())},
         "reuse_bound_prompt_tokens": result.reuse_tokens,
         "notes": result.notes,
@@ -119,6 +122,35 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f}"
 
 
+def _checkpoint_rows(result: PlanResult, several: bool) -> list[list[str]]:
+    """One row per checkpoint policy, DCP size and eviction policy: the hit rate, attention's, their
+    ratio, the ratio to the plan's own policy (and to stock vLLM where it ran), and the peak
+    blocks attention and Mamba groups held."""
+    req = result.request
+    base = result.layouts[req.dcps[0]]
+    mamba = [g.group.kind.value == "mamba" for g in base.groups]
+    own = {(r.dcp, r.eviction): r for r in result.reports}
+    stock = {r.dcp: r for r in result.vllm_reports if r.engine == "vllm"}
+    rows = [["checkpoints"] + (["eviction"] if several else []) + ["DCP", "hit rate", "attn alone", "ratio",
+            f"x {req.checkpoints[0]}"] + (["x stock vllm"] if stock else []) + ["peak attn/mamba", "evictions"]]
+    ordered = sorted(result.reports + result.checkpoint_reports,
+                     key=lambda r: (r.dcp, req.policies.index(r.eviction), req.checkpoints.index(r.checkpoints)))
+    for r in ordered:
+        first = own.get((r.dcp, r.eviction))
+        attn = r.attention_hit_rate
+        peaks = r.peak_blocks_per_group
+        rows.append([r.checkpoints] + ([r.eviction] if several else []) + [
+            str(r.dcp), f"{100 * r.hit_rate:.1f} %", "-" if attn is None else f"{100 * attn:.1f} %",
+            f"{r.hit_rate / attn:.2f}" if attn else "-",
+            f"{r.cached_tokens / first.cached_tokens:.2f}" if first is not None and first.cached_tokens else "-",
+        ] + ([f"{r.cached_tokens / stock[r.dcp].cached_tokens:.2f}" if r.dcp in stock and stock[r.dcp].cached_tokens
+              else "-"] if stock else []) + [
+            "-" if peaks is None else f"{sum(b for b, m in zip(peaks, mamba) if not m):,}/{sum(b for b, m in zip(peaks, mamba) if m):,}",
+            f"{r.evictions:,}",
+        ])
+    return rows
+
+
 def plan_to_text(result: PlanResult) -> str:
     req = result.request
     base = result.layouts[req.dcps[0]]
@@ -154,6 +186,9 @@ def plan_to_text(result: PlanResult) -> str:
             f"{r.evictions:,}", f"{r.preemptions:,}", str(len(r.violations)),
         ])
     lines += ["", _table(rows)]
+    if result.checkpoint_reports:
+        lines += ["", "checkpoint policies (kvproof's engine; hybrid hit rate against attention alone in the same run, "
+                  f"and against the first policy, {req.checkpoints[0]}):", _table(_checkpoint_rows(result, several))]
     if result.vllm_reports:
         lines += ["engines (commands at the first DCP size; the others add --decode-context-parallel-size):"]
         lines += _engine_lines(result)

@@ -55,6 +55,8 @@ class ConfigReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     #: The pool's eviction policy (``spec.eviction``); vLLM's engine is always lru.
     eviction: str = "lru"
+    #: The checkpoint policy (``spec.checkpoints``); vLLM's engine always places vLLM's.
+    checkpoints: str = "vllm"
     #: Hit rate of the requests arriving before the middle request, and of the rest: a cold
     #: cache shows as a lower first half (None where the engine does not say).
     halves: Optional[tuple[float, float]] = None
@@ -181,6 +183,7 @@ def run_config(
         violations=result.violations,
         seconds=seconds,
         eviction=base.eviction,
+        checkpoints=base.checkpoints,
         halves=tuple(c / n if n else 0.0 for c, n in halves),
     )
 

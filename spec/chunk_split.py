@@ -28,7 +28,10 @@ The stops, each for a reason of its own:
   states retention keeps for the prompt's *replay boundaries* (:func:`replay_boundaries`, each
   at :func:`state_below` it): with EAGLE they are scheduler-block multiples that the last
   checkpoint is not, and a state exists only where a chunk ends -- vLLM has them only when its
-  budget-sized chunks happen to end there (docs/coordinator.md, "Hit parity with vLLM 0.33.0").
+  budget-sized chunks happen to end there (docs/coordinator.md, "Hit parity with vLLM 0.33.0");
+- with ``rungs`` set (kvproof's ``reuse`` checkpoint policy, ``spec.checkpoints``; vLLM has no
+  such stop), the prompt's *turn-end ladder*: states the next turn of a conversation resumes at
+  when it shares all but a tail of this prompt (:func:`kvproof.spec.checkpoints.turn_end_rungs`).
 
 This module is the definition, written for clarity; ``kvproof.impl.chunk_split`` is the
 integer fast path the scheduler runs, tested against it.
@@ -49,6 +52,8 @@ class SplitRule:
     lowered to ``long_prefill_token_threshold`` when that is set. ``partial_tail`` is "align
     mode, partial hash hits on and H < S". ``scheduler_block_size`` and ``replay_alignment`` (the
     cache-hit alignment A; both 0: no replay stops, vLLM's rule) place the replay-boundary stops.
+    ``rungs`` and ``rung_unit`` (the checkpoint policy's budget and unit, ``spec.checkpoints``;
+    both 0: vLLM's rule) place the turn-end ladder's stops.
     """
 
     mamba_block_size: int
@@ -60,13 +65,15 @@ class SplitRule:
     shared_prefix_checkpoint: bool = False
     scheduler_block_size: int = 0
     replay_alignment: int = 0
+    rungs: int = 0
+    rung_unit: int = 0
 
     def __post_init__(self) -> None:
         for name in ("mamba_block_size", "hash_block_size", "max_prefill_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} {value!r} must be a positive integer")
-        for name in ("scheduler_block_size", "replay_alignment"):
+        for name in ("scheduler_block_size", "replay_alignment", "rungs", "rung_unit"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} {value!r} must be a non-negative integer")
@@ -74,6 +81,13 @@ class SplitRule:
             raise ValueError(
                 f"replay_alignment {self.replay_alignment} and scheduler_block_size {self.scheduler_block_size}: "
                 "expected both set (replay stops) or both 0"
+            )
+        if bool(self.rungs) != bool(self.rung_unit):
+            raise ValueError(f"rungs {self.rungs} and rung_unit {self.rung_unit}: expected both set (a ladder) or both 0")
+        if self.rung_unit % self.mamba_block_size or self.rung_unit % self.hash_block_size:
+            raise ValueError(
+                f"rung_unit {self.rung_unit} must be a multiple of the Mamba block {self.mamba_block_size} "
+                f"and of the hash block {self.hash_block_size}"
             )
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
             raise ValueError(f"lookahead {self.lookahead!r} must be a non-negative integer")
@@ -140,6 +154,10 @@ def stops(
     if rule.replay_alignment:
         for p in replay_boundaries(num_prompt_tokens, rule.scheduler_block_size, rule.eagle_drop):
             candidates.add(state_below(p, rule.replay_alignment, b))
+    if rule.rungs:
+        from kvproof.spec.checkpoints import turn_end_rungs  # it builds on checkpoint_position, above
+
+        candidates.update(turn_end_rungs(num_prompt_tokens, rule.rung_unit, rule.rungs, rule.eagle_drop, rule.lookahead))
     for j in junctions:
         if not start < j < target:
             continue  # a junction behind the start, or not reached by this chunk

@@ -18,6 +18,7 @@ from kvproof.spec.geometry import (
     partial_hash_hits,
     scheduler_block_size,
 )
+from kvproof.spec.checkpoints import parse_checkpoints
 from kvproof.spec.eviction import parse_policy
 from kvproof.spec.groups import CacheGroup, GroupKind
 
@@ -57,6 +58,9 @@ class LayoutConfig:
     #: Attention KV is append-only, so a key at every boundary only ever adds hits: a request
     #: diverging inside a block reuses up to its last common hash unit, not its last chunk end.
     attention_keys: str = "every-hash"
+    #: Where Mamba states are made and kept beyond the retention rule (``spec.checkpoints``):
+    #: ``vllm`` (vLLM 0.33.0's positions) or ``reuse`` (also the prompt's turn-end ladder).
+    checkpoints: str = "vllm"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +125,7 @@ def validate_config(config: LayoutConfig) -> None:
     _positive_int("max_model_len", config.max_model_len, upper=MAX_MODEL_LEN_LIMIT)
     _positive_int("interleave", config.interleave)
     parse_policy(config.eviction)
+    parse_checkpoints(config.checkpoints)
     if config.attention_keys not in ATTENTION_KEYS:
         raise ValueError(f"attention_keys {config.attention_keys!r} must be one of {', '.join(ATTENTION_KEYS)}")
     for i, g in enumerate(config.groups):

@@ -10,6 +10,10 @@ vLLM's ``prefix_cache_retention_interval`` chooses (docs/vllm-semantics.md §1, 
   tail checkpoint, and the *shared-prefix junctions* the lookup found;
 - ``K > 0``: those, plus one state per K-token segment (every multiple of K).
 
+Under kvproof's ``reuse`` checkpoint policy (``spec.checkpoints``) every interval also keeps the
+prompt's turn-end ladder (``rungs`` states, at multiples of ``rung_unit``): where the next turn of
+a conversation resumes when it shares all but a tail of this prompt.
+
 A state can be kept only where a chunk ended, so every position this policy names is also a
 stop of the chunk-split rule (``spec.chunk_split``): the states at the replay boundaries are its
 replay stops (with EAGLE they are not the last checkpoint; vLLM has no such stop and keeps them
@@ -25,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from kvproof.spec.checkpoints import turn_end_rungs
 from kvproof.spec.chunk_split import checkpoint_position, replay_boundaries, state_below
 
 
@@ -35,7 +40,8 @@ class RetentionRule:
     ``effective_block_size`` is the Mamba group's block B_g, ``alignment`` the cache-hit
     alignment A (H with partial hits, else the scheduler block size S), ``scheduler_block_size``
     S. ``eagle`` shifts reachable positions down (the draft recomputes the last unit);
-    ``hash_block_size`` and ``lookahead`` place the tail.
+    ``hash_block_size`` and ``lookahead`` place the tail. ``rungs`` and ``rung_unit``: the
+    checkpoint policy's ladder (``spec.checkpoints``; 0: vLLM's rule).
     """
 
     interval: int | None
@@ -45,6 +51,8 @@ class RetentionRule:
     scheduler_block_size: int
     eagle: bool = False
     lookahead: int = 0
+    rungs: int = 0
+    rung_unit: int = 0
 
     def __post_init__(self) -> None:
         if self.interval is not None and (not isinstance(self.interval, int) or self.interval < 0):
@@ -52,6 +60,17 @@ class RetentionRule:
         for name in ("effective_block_size", "hash_block_size", "alignment", "scheduler_block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)!r} must be positive")
+        if bool(self.rungs) != bool(self.rung_unit) or self.rung_unit % self.effective_block_size:
+            raise ValueError(
+                f"rungs {self.rungs} and rung_unit {self.rung_unit}: expected both 0, or a ladder whose unit is a "
+                f"multiple of the Mamba block {self.effective_block_size}"
+            )
+
+
+@functools.lru_cache(maxsize=4096)
+def _rungs(num_prompt_tokens: int, unit: int, budget: int, eagle: bool, lookahead: int) -> tuple[int, ...]:
+    """``turn_end_rungs`` of a prompt, remembered (asked at every kept-candidate chunk end)."""
+    return turn_end_rungs(num_prompt_tokens, unit, budget, eagle, lookahead)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -74,7 +93,8 @@ def keeps_state(
     Kept: the prompt's tail checkpoint; block-aligned states (``n % effective_block_size == 0``)
     at segment boundaries and at the block below every reachable boundary (replay boundaries, junctions,
     and with EAGLE one block below a junction); a state inside a block exactly at a junction
-    inside the prompt with ``exact_junction``. Dense retention keeps everything.
+    inside the prompt with ``exact_junction``; the checkpoint policy's turn-end rungs. Dense
+    retention keeps everything.
     """
     if n <= 0:
         return False
@@ -86,6 +106,8 @@ def keeps_state(
     if n % b == 0:
         if rule.interval and (rule.interval <= b or n % rule.interval == 0):
             return True
+        if rule.rungs and n in _rungs(num_prompt_tokens, rule.rung_unit, rule.rungs, rule.eagle, rule.lookahead):
+            return True  # the turn-end ladder (the checkpoint policy)
         reachable = list(replay_boundaries(num_prompt_tokens, rule.scheduler_block_size, rule.eagle))
         for j in junctions:
             reachable.append(j)

@@ -60,7 +60,8 @@ class MambaManager(SingleTypeManager):
     """
 
     def __init__(
-        self, *args, retention_interval: int | None, scheduler_block_size: int, exact_junction: bool, **kwargs,
+        self, *args, retention_interval: int | None, scheduler_block_size: int, exact_junction: bool,
+        rungs: tuple[int, int] = (0, 0), **kwargs,
     ) -> None:
         super().__init__(*args, **kwargs)
         #: Mode 'none': one state block for the whole request, never keyed.
@@ -68,7 +69,7 @@ class MambaManager(SingleTypeManager):
         self._num_speculative = self.group.num_speculative_blocks
         self.retention = RetentionRule(
             retention_interval, self.effective_block_size, self.hash_block_size, self.alignment,
-            scheduler_block_size, eagle=self.use_eagle,
+            scheduler_block_size, eagle=self.use_eagle, rungs=rungs[0], rung_unit=rungs[1],
         )
         self.exact_junction = exact_junction
         self._real_limit = 1 + self.group.num_speculative_blocks

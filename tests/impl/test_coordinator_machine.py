@@ -48,6 +48,7 @@ from kvproof.impl.request import Request
 from kvproof.impl.scheduler import CapacityError, Scheduler
 from kvproof.oracle.content_oracle import ContentOracle
 from kvproof.sim.drive import drain
+from kvproof.spec.checkpoints import REUSE, VLLM
 from kvproof.spec.eviction import COMPUTE, LRU
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.joint_hit import ATTENTION, MAMBA, WINDOW, GroupView, joint_hit
@@ -119,6 +120,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
         # run keeps reaching the cases it reached before the policy existed (one machine in three
         # runs the compute policy).
         eviction = COMPUTE if budget == 16 else LRU
+        # Likewise the checkpoint policy: the turn-end ladder in one machine in three.
+        checkpoints = REUSE if budget == 64 else VLLM
+        if checkpoints == REUSE:
+            self.reach("checkpoints: reuse")
         groups = [
             CacheGroup(GroupKind.FULL_ATTENTION, fa_block),
             CacheGroup(GroupKind.MAMBA, fa_block * mamba_factor, num_speculative_blocks=speculative),
@@ -128,7 +133,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
         # H finer than every block (hits inside blocks), or derived (often equal to S).
         h = (fa_block // 2 or 1) if finer_hash and fa_block * min(dcp, mamba_factor) > 1 else None
         base = LayoutConfig(tuple(groups), dcp=dcp, max_model_len=512, hash_block_size=h, allow_partial_hash_hits=partial,
-                            shared_prefix_checkpoint=exact_junction, eviction=eviction, attention_keys=attention_keys)
+                            shared_prefix_checkpoint=exact_junction, eviction=eviction, attention_keys=attention_keys,
+                            checkpoints=checkpoints)
         interval = {"none": None, "0": 0, "K": 2 * resolve_layout(base).scheduler_block_size}[retention]
         self._start(resolve_layout(dataclasses.replace(base, retention_interval=interval)), num_blocks, budget, eagle)
 
@@ -348,7 +354,8 @@ class TestCoordinatorMachine(CoordinatorMachine.TestCase):
     def setUpClass(cls):
         REACH.counts.clear()
         REACH.minimums = {"lookup: partial hit": 20, "lookup: junction": 20, "lookup: block-aligned hit": 20,
-                          "copy-on-write": 20, "eviction": 10, "eviction: compute": 5, "preemption": 5, "arrival: continue": 20}
+                          "copy-on-write": 20, "eviction": 10, "eviction: compute": 5, "preemption": 5, "arrival: continue": 20,
+                          "checkpoints: reuse": 10}
 
     @classmethod
     def tearDownClass(cls):

@@ -189,6 +189,7 @@ def test_parallel_jobs_give_the_same_numbers(plan_json, mooncake_trace):
     (["--plot", "out.txt"], "plot file 'out.txt' must end in .png"),
     (["--plot", "/nonexistent/dir/p.png"], "folder '/nonexistent/dir' is missing"),
     (["--eviction", "lru,fifo"], "eviction policy 'fifo' in --eviction 'lru,fifo' must be one of lru, compute"),
+    (["--checkpoints", "vllm,every"], "checkpoint policy 'every' in --checkpoints 'vllm,every' must be one of vllm, reuse"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run_plan(capsys, *argv, "--no-progress", "--jobs", "1")
@@ -239,6 +240,49 @@ def test_eviction_policies_side_by_side(capsys, mooncake_trace):
     code, out, err = run_plan(capsys, *argv)
     assert code == 0, err
     assert " engine  eviction  DCP" in out and "kvproof   compute    2" in out
+
+
+@pytest.fixture
+def next_turn_trace(tmp_path):
+    """As the real Mooncake trace: each next turn re-sends all but the last (partial) id of the
+    previous prompt, so it shares the prompt up to a multiple of 512 below its end."""
+    lines, next_id = [], 0
+    for conv in range(6):
+        ids = [next_id, next_id + 1]
+        next_id += 2
+        for turn in range(3):
+            lines.append({"timestamp": 2000 * (3 * conv + turn), "input_length": 512 * (len(ids) - 1) + 300,
+                          "output_length": 2, "hash_ids": list(ids)})
+            ids = ids[:-1] + [next_id, next_id + 1]
+            next_id += 2
+    path = tmp_path / "turns.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(path)
+
+
+def test_checkpoint_policies_side_by_side(capsys, next_turn_trace):
+    """``--checkpoints vllm,reuse``: the plan's rows stay vLLM's policy; a table per policy and
+    DCP size, whose JSON configs are each a direct replay's with that policy; next turns sharing
+    all but the prompt's tail resume at the ladder's rung, where vLLM's rule has no state."""
+    mooncake_trace = next_turn_trace
+    argv = ["--trace", mooncake_trace, *SMALL, "--dcp", "1,2", "--num-blocks", "400", "--checkpoints", "vllm,reuse"]
+    code, out, err = run_plan(capsys, *argv, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["layout"]["checkpoints"] == ["vllm", "reuse"]
+    assert [(c["dcp"], c["checkpoints"]) for c in data["configs"]] == [(1, "vllm"), (2, "vllm")]
+    assert [(c["dcp"], c["checkpoints"]) for c in data["checkpoint_configs"]] == [(1, "reuse"), (2, "reuse")]
+    groups = (CacheGroup(GroupKind.FULL_ATTENTION, 128), CacheGroup(GroupKind.MAMBA, 256))
+    trace = [to_trace_request(r, math.floor(r.timestamp_ms / 50.0)) for r in iter_mooncake(mooncake_trace)]
+    for c in data["configs"] + data["checkpoint_configs"]:
+        layout = resolve_layout(LayoutConfig(groups, dcp=c["dcp"], max_model_len=8192, checkpoints=c["checkpoints"]))
+        result = replay(trace, layout, 400, 8192, oracle=False)
+        assert c["cached_tokens"] == sum(r.num_cached_tokens for r in result.requests)
+    by = {(c["dcp"], c["checkpoints"]): c["cached_tokens"] for c in data["configs"] + data["checkpoint_configs"]}
+    assert by[(1, "reuse")] > by[(1, "vllm")] and by[(2, "reuse")] > by[(2, "vllm")]
+    code, out, err = run_plan(capsys, *argv)
+    assert code == 0, err
+    assert "checkpoints  DCP  hit rate  attn alone  ratio  x vllm" in out and "      reuse    2" in out
 
 
 SWEEP_ARGV = ["--generate", "--requests", "6", "--system-prompt-len", "2000-2000", "--suffix-len", "10-10",
