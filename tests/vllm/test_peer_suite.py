@@ -51,16 +51,20 @@ def _load_runner():
 runner = _load_runner()
 
 
-@pytest.mark.slow
-def test_the_ci_subset_gives_the_recorded_stock_outcomes(tmp_path):
+def _run_subset(tmp_path, column: str, *args: str) -> dict:
+    """The runner on a subset (``args``: its flags, ``--expect`` among them), which must exit
+    0 (every outcome as recorded); ``column``'s results by test."""
     pytest.importorskip("vllm")
     out = tmp_path / "subset.json"
-    result = subprocess.run(
-        [sys.executable, str(RUNNER), "-k", SUBSET, "--expect", str(TABLE), "--json", str(out)],
-        capture_output=True, text=True, timeout=900,
-    )
+    result = subprocess.run([sys.executable, str(RUNNER), *args, "--json", str(out)],
+                            capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
-    stock = json.loads(out.read_text())["columns"]["stock"]
+    return json.loads(out.read_text())["columns"][column]
+
+
+@pytest.mark.slow
+def test_the_ci_subset_gives_the_recorded_stock_outcomes(tmp_path):
+    stock = _run_subset(tmp_path, "stock", "-k", SUBSET, "--expect", str(TABLE))
     recorded = runner.read_table(str(TABLE))["stock"]
     assert {test: recorded[test] for test in stock} == {test: r["outcome"] for test, r in stock.items()}
     kinds = {runner.via(r["builds"]) for r in stock.values()}
@@ -83,15 +87,8 @@ KVPROOF_SUBSET = (
 
 @pytest.mark.slow
 def test_the_ci_subset_with_kvproofs_manager_gives_the_recorded_outcomes(tmp_path):
-    pytest.importorskip("vllm")
-    out = tmp_path / "subset.json"
-    result = subprocess.run(
-        [sys.executable, str(RUNNER), "--manager", "kvproof", "--no-stock", "-k", KVPROOF_SUBSET,
-         "--expect", str(KVPROOF_TABLE), "--json", str(out)],
-        capture_output=True, text=True, timeout=900,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    ours = json.loads(out.read_text())["columns"]["kvproof"]
+    ours = _run_subset(tmp_path, "kvproof", "--manager", "kvproof", "--no-stock", "-k", KVPROOF_SUBSET,
+                       "--expect", str(KVPROOF_TABLE))
     outcomes = {r["outcome"] for r in ours.values()}
     assert len(ours) >= 15 and outcomes == {"pass", "fail"}, (len(ours), outcomes)
     assert all(runner.via(r["builds"]) in ("scheduler", "both") for r in ours.values())
@@ -109,15 +106,8 @@ CHECKS_SUBSET = (
 
 @pytest.mark.slow
 def test_the_connector_tests_pass_with_kvproofs_checks(tmp_path):
-    pytest.importorskip("vllm")
-    out = tmp_path / "subset.json"
-    result = subprocess.run(
-        [sys.executable, str(RUNNER), "--checks", "cheap", "--no-stock", "-k", CHECKS_SUBSET,
-         "--expect", str(TABLE), "--json", str(out)],
-        capture_output=True, text=True, timeout=900,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    checked = json.loads(out.read_text())["columns"]["stock+cheap"]
+    checked = _run_subset(tmp_path, "stock+cheap", "--checks", "cheap", "--no-stock", "-k", CHECKS_SUBSET,
+                          "--expect", str(TABLE))
     assert len(checked) >= 6 and {r["outcome"] for r in checked.values()} == {"pass"}, (len(checked), checked)
 
 
