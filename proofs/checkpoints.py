@@ -15,9 +15,10 @@ import time
 
 import icontract
 
+from kvproof.proofs.chunk_split import run_chunk_ends
 from kvproof.proofs.registry import CHECKED, INCOMPLETE, REFUTED, Obligation, Outcome, violation_summary
 from kvproof.spec.checkpoints import turn_end_rungs
-from kvproof.spec.chunk_split import SplitRule, checkpoint_position, chunk_end
+from kvproof.spec.chunk_split import SplitRule, checkpoint_position
 
 
 def ladder_scope():
@@ -60,15 +61,9 @@ def check_ladder(budget: float) -> Outcome:
             return Outcome(REFUTED, counterexample=f"turn_end_rungs({prompt}, {unit}, {rungs}, {eagle}) = {ladder}: "
                            "INV-CKPT-LADDER: a shared length recomputes at least as far as it lies below the checkpoint")
         count += 1
-    chunks = 0
-    for args in split_scope():
-        if chunks % 1024 == 0 and time.monotonic() > deadline:
-            return Outcome(INCOMPLETE, detail=f"budget spent after {count:,} ladders and {chunks:,} chunks")
-        try:
-            chunk_end(*args)
-        except icontract.ViolationError as e:
-            return Outcome(REFUTED, counterexample=f"chunk_end{args}: {violation_summary(e)}")
-        chunks += 1
+    failed, chunks = run_chunk_ends(split_scope(), deadline)
+    if failed is not None:
+        return failed
     return Outcome(CHECKED, detail=f"{count:,} ladders and {chunks:,} chunks with ladder stops, every check held")
 
 

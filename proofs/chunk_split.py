@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import Optional
 
 import icontract
 
@@ -36,19 +37,27 @@ def scope():
                                 yield rule, start, num_new, num_tokens, prompt, junctions
 
 
-def check_chunk_split(budget: float) -> Outcome:
-    deadline, count = time.monotonic() + budget, 0
-    for args in scope():
+def run_chunk_ends(chunks, deadline: float) -> tuple[Optional[Outcome], int]:
+    """``chunk_end(*args)`` with its contracts on for every ``args`` in ``chunks`` until
+    ``deadline`` (``time.monotonic()``): (the REFUTED or INCOMPLETE outcome, or None when all
+    held; how many ran)."""
+    count = 0
+    for args in chunks:
         if count % 1024 == 0 and time.monotonic() > deadline:
-            return Outcome(INCOMPLETE, detail=f"budget spent after {count:,} chunks")
+            return Outcome(INCOMPLETE, detail=f"budget spent after {count:,} chunks"), count
         try:
             chunk_end(*args)
         except icontract.ViolationError as e:
             names = "rule start num_new num_tokens num_prompt_tokens junctions"
             call = ", ".join(f"{n}={a}" for n, a in zip(names.split(), args))
-            return Outcome(REFUTED, counterexample=f"chunk_end({call}): {violation_summary(e)}")
+            return Outcome(REFUTED, counterexample=f"chunk_end({call}): {violation_summary(e)}"), count
         count += 1
-    return Outcome(CHECKED, detail=f"{count:,} chunks, every contract held")
+    return None, count
+
+
+def check_chunk_split(budget: float) -> Outcome:
+    failed, count = run_chunk_ends(scope(), time.monotonic() + budget)
+    return failed or Outcome(CHECKED, detail=f"{count:,} chunks, every contract held")
 
 
 OBLIGATIONS = (
