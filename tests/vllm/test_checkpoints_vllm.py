@@ -11,8 +11,6 @@ except in the named class *earlier longer hit* (docs/coordinator.md), which is c
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import itertools
 
 import pytest
@@ -25,9 +23,13 @@ pytest.importorskip("vllm")
 from kvproof.impl.hashing import key_at  # noqa: E402
 from kvproof.integrations.vllm import serving_options  # noqa: E402
 from kvproof.integrations.vllm.engine_harness import EngineHarness, StepHook  # noqa: E402
-from kvproof.integrations.vllm.kvproof_manager import KvproofKVCacheManager  # noqa: E402
 from kvproof.integrations.vllm.kvproof_scheduler import KvproofScheduler  # noqa: E402
-from kvproof.integrations.vllm.worker_model import OracleHook  # noqa: E402
+from kvproof.integrations.vllm.parity import (  # noqa: E402
+    ParityOptions,
+    behind_without_earlier_longer_hit,
+    run_served,
+    run_vllm,
+)
 from kvproof.sim.trace import TraceRequest  # noqa: E402
 from kvproof.spec.checkpoints import REUSE, checkpoint_unit, policy_budget, turn_end_rungs  # noqa: E402
 from kvproof.spec.contracts import slow_checks  # noqa: E402
@@ -61,42 +63,32 @@ def test_a_bad_checkpoints_value_is_refused_by_name(text, monkeypatch):
 
 # --- driving vLLM's Scheduler ------------------------------------------------------------------------
 
-class _Chunks(StepHook):
-    """Each request's chunk ends in order, and its block hashes (for the state keys). Observes only."""
+class _Hashes(StepHook):
+    """Each request's block hashes (for its state keys). Observes only."""
 
     def __init__(self) -> None:
-        self.ends: dict[str, list[int]] = {}
         self.hashes: dict[str, list] = {}
 
     def updated(self, harness, record, output, runner_output) -> None:
-        for rid, start, n in record.chunks:
-            self.ends.setdefault(rid, []).append(start + n)
+        for rid, _, _ in record.chunks:
             request = harness.scheduler.requests.get(rid)
             if request is not None:
                 self.hashes[rid] = list(request.block_hashes)
 
 
-def _sequential(harness: EngineHarness, trace) -> dict[str, int]:
-    """Each request arrives in the step after the previous one finished; cached tokens per request."""
-    for t in trace:
-        harness.add_trace([dataclasses.replace(t, arrival=harness.step_count + 1)])
-        while harness.has_unfinished():
-            harness.step()
-    return dict(harness.result().num_cached_tokens)
+def _options(budget, eagle):
+    return ParityOptions(num_blocks=4096, max_num_batched_tokens=budget, use_eagle=eagle)
 
 
-def _served(layout, trace, budget, eagle, scheduler_cls=KvproofScheduler):
-    chunks, oracle = _Chunks(), OracleHook(layout)
-    harness = EngineHarness(layout, 4096, max_num_batched_tokens=budget, use_eagle=eagle, scheduler_cls=scheduler_cls,
-                            manager_class=functools.partial(KvproofKVCacheManager, options=REUSE_OPTIONS),
-                            hooks=[chunks, oracle])
+def _served(layout, trace, budget, eagle, scheduler_cls=None):
+    hashes = _Hashes()
     with slow_checks():
-        cached = _sequential(harness, trace)
-    return harness, cached, chunks, oracle.worker.violations
+        run, harness = run_served(trace, layout, _options(budget, eagle), REUSE_OPTIONS, scheduler_cls, hooks=[hashes])
+    return harness, run, hashes.hashes
 
 
 def _stock(layout, trace, budget, eagle) -> dict[str, int]:
-    return _sequential(EngineHarness(layout, 4096, max_num_batched_tokens=budget, use_eagle=eagle), trace)
+    return run_vllm(trace, layout, _options(budget, eagle)).cached
 
 
 def _ladder(layout, prompt_len: int, eagle: bool) -> tuple[int, ...]:
@@ -182,27 +174,27 @@ NEXT_TURN = _case([_BASE[:100], _BASE[:90] + tuple(range(20_000, 20_020))])
 def test_reuse_served_in_vllms_scheduler_keeps_ladder_states_and_stock_vllms_floor(reach, case):
     reach.minimums = {"hit at a rung": 8, "ahead of stock vLLM": 8, "retention 0": 15, "eagle": 10, "dcp 8": 5}
     layout, trace, budget, eagle = case
-    harness, cached, chunks, violations = _served(layout, trace, budget, eagle)
-    assert violations == []  # the content oracle checked every token the forward pass read
+    harness, run, hashes = _served(layout, trace, budget, eagle)
+    assert run.violations == []  # the content oracle checked every token the forward pass read
     assert harness.result().preemptions == 0 and harness.evictions == 0
-    stock = _stock(layout, trace, budget, eagle)
+    cached, stock = run.cached, _stock(layout, trace, budget, eagle)
     manager, mamba = harness.kv_cache_manager, layout.groups[1].index
     for i, t in enumerate(trace):
         rid = t.id
         rungs = _ladder(layout, len(t.prompt), eagle)
         above = [r for r in rungs if r > cached[rid]]
         # Every rung above the hit is a chunk end (the split) and a state the manager keeps.
-        assert set(above) <= set(chunks.ends[rid]), (rid, rungs, cached[rid], chunks.ends[rid])
+        assert set(above) <= set(run.chunk_ends[rid]), (rid, rungs, cached[rid], run.chunk_ends[rid])
         for r in above:
             assert r % layout.hash_block_size == 0
-            assert manager.manager.cached_block(key_at(chunks.hashes[rid], r, layout.hash_block_size, mamba)[0], mamba) is not None, (rid, r)
+            assert manager.manager.cached_block(key_at(hashes[rid], r, layout.hash_block_size, mamba)[0], mamba) is not None, (rid, r)
         if cached[rid] and any(cached[rid] in _ladder(layout, len(e.prompt), eagle) for e in trace[:i]):
             reach("hit at a rung")
         if cached[rid] < stock[rid]:
-            # The named class: an earlier request resumed further than in stock vLLM, so it did not
-            # recompute the prefix whose chunk ends left, there, the state this request resumes from.
-            assert any(cached[e.id] > stock[e.id] for e in trace[:i]), (rid, cached, stock)
-            reach("behind: earlier longer hit")
+            reach("behind: earlier longer hit")  # counted; any other request behind fails below
+    # The named class: an earlier request resumed further than in stock vLLM, so it did not
+    # recompute the prefix whose chunk ends left, there, the state a later one resumes from.
+    assert behind_without_earlier_longer_hit(trace, cached, stock) == [], (cached, stock)
     if any(cached[r] > stock[r] for r in stock):
         reach("ahead of stock vLLM")
     for label, on in (("retention 0", layout.config.retention_interval == 0), ("eagle", eagle), ("dcp 8", layout.dcp == 8)):
@@ -216,11 +208,20 @@ def test_the_next_turn_resumes_at_the_rung_only_with_kvprofs_split():
     Scheduler must carry the rule."""
     layout, trace, budget, eagle = NEXT_TURN
     assert _ladder(layout, 100, False) == (88,)
-    _, cached, chunks, violations = _served(layout, trace, budget, eagle)
-    assert violations == [] and cached == {"r0": 0, "r1": 88} and 88 in chunks.ends["r0"]
+    _, run, _ = _served(layout, trace, budget, eagle)
+    assert run.violations == [] and run.cached == {"r0": 0, "r1": 88} and 88 in run.chunk_ends["r0"]
     assert _stock(layout, trace, budget, eagle) == {"r0": 0, "r1": 0}
-    _, unsplit, chunks, _ = _served(layout, trace, budget, eagle, scheduler_cls=Scheduler)
-    assert unsplit == {"r0": 0, "r1": 0} and 88 not in chunks.ends["r0"]
+    _, unsplit, _ = _served(layout, trace, budget, eagle, scheduler_cls=Scheduler)
+    assert unsplit.cached == {"r0": 0, "r1": 0} and 88 not in unsplit.chunk_ends["r0"]
+
+
+def test_a_request_behind_stock_vllm_with_no_earlier_one_ahead_is_named():
+    """The class check itself: behind after an earlier request ahead is the named class; behind
+    first, or after requests only even, is not."""
+    trace = [TraceRequest(f"r{i}", (i,), (), 0) for i in range(3)]
+    assert behind_without_earlier_longer_hit(trace, {"r0": 8, "r1": 0, "r2": 4}, {"r0": 0, "r1": 4, "r2": 4}) == []
+    assert behind_without_earlier_longer_hit(trace, {"r0": 0, "r1": 0, "r2": 8}, {"r0": 4, "r1": 0, "r2": 4}) == ["r0"]
+    assert behind_without_earlier_longer_hit(trace, {"r0": 4, "r1": 0, "r2": 8}, {"r0": 4, "r1": 4, "r2": 0}) == ["r1"]
 
 
 def test_vllms_own_manager_leaves_vllms_split_unchanged():
@@ -229,6 +230,5 @@ def test_vllms_own_manager_leaves_vllms_split_unchanged():
     runs = []
     for cls in (Scheduler, KvproofScheduler):
         harness = EngineHarness(layout, 4096, max_num_batched_tokens=budget, scheduler_cls=cls)
-        _sequential(harness, trace)
-        runs.append([s.chunks for s in harness.result().steps])
+        runs.append([s.chunks for s in harness.run(trace).steps])
     assert runs[0] == runs[1]
