@@ -6,7 +6,8 @@ On generated sequential multi-turn traffic (continuations, next turns that drop 
 previous prompt, siblings, resends), with the manager's slow contracts and the content oracle on:
 no violation, every chunk crossing a rung of the prompt's ladder (``spec.checkpoints``) ends
 there and the manager keeps the state, and no request caches fewer tokens than with stock vLLM
-except in the named class *earlier longer hit* (docs/coordinator.md), which is counted.
+except in the named class *earlier longer hit* (docs/coordinator.md), which is counted (the
+random profile's runs reach it now and then; ``EARLIER_LONGER_HIT`` is one, shortened).
 """
 
 from __future__ import annotations
@@ -153,9 +154,10 @@ def cases(draw):
     return layout, draw(chats(layout)), draw(st.sampled_from([16, 64, 2048])), draw(st.booleans())
 
 
-def _case(prompts, fa=8, mamba=8, dcp=1, h=None, budget=2048):
+def _case(prompts, fa=8, mamba=8, dcp=1, h=None, budget=2048, spc=False):
     layout = resolve_layout(LayoutConfig((CacheGroup(FA, fa), CacheGroup(MAMBA, mamba)), dcp=dcp, max_model_len=4096,
-                                         hash_block_size=h, retention_interval=0, checkpoints=REUSE))
+                                         hash_block_size=h, retention_interval=0, shared_prefix_checkpoint=spc,
+                                         checkpoints=REUSE))
     return layout, [TraceRequest(f"r{i}", tuple(p), (1,), arrival=0) for i, p in enumerate(prompts)], budget, False
 
 
@@ -164,6 +166,12 @@ _BASE = tuple(range(10_000, 10_100))
 #: the state at the last checkpoint (96) and r1 resumes at 0 (retention 0 keeps nothing below);
 #: the ladder's rung at 88 serves it.
 NEXT_TURN = _case([_BASE[:100], _BASE[:90] + tuple(range(20_000, 20_020))])
+#: *earlier longer hit* (found by Hypothesis's random profile, shortened): r1 resumes at r0's
+#: rung 40 (stock vLLM: 0, no state there), so it never computes [0, 40); stock vLLM recomputes
+#: it and stops at its junction 32 (where its attention keys, at DCP 4 blocks of 32, show r0),
+#: keeping the state r2 (33 tokens shared) resumes from. Net +40, -32.
+EARLIER_LONGER_HIT = _case([_BASE[:52], _BASE[:46] + tuple(range(20_000, 20_011)), _BASE[:33] + tuple(range(30_000, 30_027))],
+                           dcp=4, h=2, budget=64, spc=True)
 
 
 # --- the property ------------------------------------------------------------------------------------------
@@ -171,6 +179,7 @@ NEXT_TURN = _case([_BASE[:100], _BASE[:90] + tuple(range(20_000, 20_020))])
 @settings(max_examples=40, **REACH_SETTINGS)
 @given(cases())
 @example(case=NEXT_TURN)
+@example(case=EARLIER_LONGER_HIT)
 def test_reuse_served_in_vllms_scheduler_keeps_ladder_states_and_stock_vllms_floor(reach, case):
     reach.minimums = {"hit at a rung": 8, "ahead of stock vLLM": 8, "retention 0": 15, "eagle": 10, "dcp 8": 5}
     layout, trace, budget, eagle = case
@@ -213,6 +222,15 @@ def test_the_next_turn_resumes_at_the_rung_only_with_kvprofs_split():
     assert _stock(layout, trace, budget, eagle) == {"r0": 0, "r1": 0}
     _, unsplit, _ = _served(layout, trace, budget, eagle, scheduler_cls=Scheduler)
     assert unsplit.cached == {"r0": 0, "r1": 0} and 88 not in unsplit.chunk_ends["r0"]
+
+
+def test_the_earlier_longer_hit_class_in_vllms_scheduler():
+    layout, trace, budget, eagle = EARLIER_LONGER_HIT
+    _, run, _ = _served(layout, trace, budget, eagle)
+    stock = _stock(layout, trace, budget, eagle)
+    assert run.violations == [] and run.cached == {"r0": 0, "r1": 40, "r2": 0} and stock == {"r0": 0, "r1": 0, "r2": 32}
+    assert 32 not in run.chunk_ends["r1"]
+    assert behind_without_earlier_longer_hit(trace, run.cached, stock) == []
 
 
 def test_a_request_behind_stock_vllm_with_no_earlier_one_ahead_is_named():
