@@ -64,7 +64,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="eviction policies to compare side by side: lru (default, vLLM's), compute "
                    "(the least prefill compute lost per byte, aged by recency)")
     p.add_argument("--checkpoints", default=CHECKPOINT_POLICIES[0], metavar="POLICY[,POLICY...]",
-                   help="checkpoint policies to compare (kvproof's engine): vllm (default, vLLM 0.33.0's Mamba state "
+                   help="checkpoint policies to compare (kvproof's engine, and with --engine vllm kvproof's manager in vLLM's Scheduler): vllm (default, vLLM 0.33.0's Mamba state "
                    "positions), reuse (also a ladder of states below each prompt's end, where a conversation's "
                    "next turn resumes); the first is the plan's, the others get their own table")
     md = p.add_argument_group("model (instead of --preset / --group and the byte figures)")

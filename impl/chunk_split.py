@@ -1,6 +1,8 @@
 """The Mamba chunk-split rule on the scheduler's hot path: ``kvproof.spec.chunk_split.chunk_end``
 (the definition, which this is tested against) in plain integer arithmetic -- the spec's
-candidate searches and contracts cost more than the rule itself on every scheduled chunk."""
+candidate searches and contracts cost more than the rule itself on every scheduled chunk.
+:func:`ladder_end` is the checkpoint policy's part, shared with vLLM's Scheduler as kvproof's
+manager serves it."""
 
 from __future__ import annotations
 
@@ -12,6 +14,24 @@ def _checkpoint(num_tokens: int, unit: int, eagle_drop: bool, lookahead: int) ->
         return max(num_tokens - num_tokens % unit - unit, 0)
     n = max(num_tokens - max(1, lookahead), 0)
     return n - n % unit
+
+
+def ladder_end(start: int, end: int, num_prompt: int, rungs: int, unit: int, eagle_drop: bool, lookahead: int) -> int:
+    """``end`` clipped to the lowest rung of the prompt's turn-end ladder strictly inside
+    ``(start, end)`` (``spec.checkpoints.turn_end_rungs``: ``rungs`` states below the prompt's
+    last checkpoint at ``unit``, gaps doubling). Both split rules call this: kvproof's scheduler
+    (``ChunkSplitter``) and vLLM's, as kvproof's manager serves it
+    (``integrations/vllm/kvproof_scheduler.py``)."""
+    gap = unit
+    rung = _checkpoint(num_prompt, gap, eagle_drop, lookahead)
+    for _ in range(rungs):  # highest rung first
+        rung -= gap
+        if rung <= start:
+            break
+        if rung < end:
+            end = rung
+        gap += gap
+    return end
 
 
 class ChunkSplitter:
@@ -64,16 +84,8 @@ class ChunkSplitter:
             for stop in self._replay_stops(num_prompt):
                 if start < stop < end:
                     end = stop
-        if self.rungs:  # the turn-end ladder (spec.checkpoints.turn_end_rungs), highest rung first
-            gap = self.rung_unit
-            rung = _checkpoint(num_prompt, gap, self.eagle, self.lookahead)
-            for _ in range(self.rungs):
-                rung -= gap
-                if rung <= start:
-                    break
-                if rung < end:
-                    end = rung
-                gap += gap
+        if self.rungs:
+            end = ladder_end(start, end, num_prompt, self.rungs, self.rung_unit, self.eagle, self.lookahead)
         for j in junctions:
             if start < j < target:  # a junction the unclipped chunk reaches (vLLM's test)
                 stop = j if self.exact_junction and j <= num_prompt else start + (j - start) // b * b

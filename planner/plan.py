@@ -45,7 +45,8 @@ class PlanRequest:
     #: kvproof's eviction policies, each planned at every DCP size and memory size.
     policies: tuple[str, ...] = ("lru",)
     #: Checkpoint policies (``spec.checkpoints``): the first is ``base``'s, the plan's own; each
-    #: other is replayed beside it at every DCP size and eviction policy (kvproof's engine).
+    #: other is replayed beside it at every DCP size and eviction policy (kvproof's engine, and
+    #: kvproof's manager in vLLM's Scheduler where that engine runs).
     checkpoints: tuple[str, ...] = ("vllm",)
     #: What ``--model`` read, when the layout came from a model folder.
     model: Optional[ModelLayout] = None
@@ -77,8 +78,8 @@ class Task:
         if self.engine != "kvproof":
             from kvproof.planner.vllm_engine import run_config_vllm
 
-            base = dataclasses.replace(base, checkpoints="vllm")  # vLLM's Scheduler splits by its own rule
-
+            if self.engine == "vllm":  # stock vLLM places vLLM's states only
+                base = dataclasses.replace(base, checkpoints="vllm")
             return run_config_vllm(req.workload, base, self.dcp, self.pool, self.kv_memory_bytes, req.options, tick,
                                    self.engine)
         return run_config(req.workload, base, self.dcp, self.pool, self.kv_memory_bytes, req.options, tick)
@@ -134,7 +135,8 @@ def prepare(req: PlanRequest) -> tuple[dict[int, Layout], list[Task], list[str]]
         if "vllm" in req.engines:
             tasks.append(Task(d, req.kv_memory_bytes, pool, False, "vllm"))
         if "kvproof-vllm" in req.engines:
-            tasks += [Task(d, req.kv_memory_bytes, pool, False, "kvproof-vllm", e) for e in req.policies]
+            tasks += [Task(d, req.kv_memory_bytes, pool, False, "kvproof-vllm", e, checkpoints=c if i else None)
+                      for i, c in enumerate(req.checkpoints) for e in req.policies]
     left_out = []
     for kv in req.sweep_bytes:
         for d in req.dcps:
@@ -193,7 +195,7 @@ def run_plan(req: PlanRequest, progress: Optional[Callable[[int, int], None]] = 
     layouts, tasks, notes = prepare(req)
     results = _run_tasks(req, tasks, progress)
     reports = [r for r, t in zip(results, tasks) if not t.sweep and t.engine == "kvproof" and t.checkpoints is None]
-    compared = [r for r, t in zip(results, tasks) if t.checkpoints is not None]
+    compared = [r for r, t in zip(results, tasks) if t.checkpoints is not None and t.engine == "kvproof"]
     vllm_reports = [r for r, t in zip(results, tasks) if t.engine != "kvproof"]
     sweep = [r for r, t in zip(results, tasks) if t.sweep]
     if sweep:  # the main runs are sweep points too
@@ -263,7 +265,7 @@ def _recommendation(req: PlanRequest, reports: list[ConfigReport], sweep: list[C
         out["serve"] = command.text()
         out["not_reproduced"] = list(command.not_reproduced)
         same = [r for r in served if r.dcp == choice["dcp"] and r.kv_memory_bytes == choice["kv_memory_bytes"]
-                and r.eviction in (choice["eviction"], "lru")]
+                and r.eviction in (choice["eviction"], "lru") and r.checkpoints == req.base.checkpoints]
         engine = "kvproof-vllm" if command.env else "vllm"
         ours = next((r for r in same if r.engine == engine and r.eviction == choice["eviction"]), None)
         stock = next((r for r in same if r.engine == "vllm"), None)
@@ -272,11 +274,12 @@ def _recommendation(req: PlanRequest, reports: list[ConfigReport], sweep: list[C
     return out
 
 
-def serve_command_for(req: PlanRequest, dcp: int, eviction: str, kv_memory_bytes: Optional[int], manager: str = "auto"):
+def serve_command_for(req: PlanRequest, dcp: int, eviction: str, kv_memory_bytes: Optional[int], manager: str = "auto",
+                      checkpoints: Optional[str] = None):
     """The ``vllm serve`` command (``serve_command.ServeCommand``) of one planned configuration
-    (``manager`` as ``serve_command`` takes it)."""
+    (``manager`` as ``serve_command`` takes it; ``checkpoints`` None: the plan's policy)."""
     return serve_command(
-        dataclasses.replace(req.base, eviction=eviction), dcp, req.deployment.gpus(dcp), kv_memory_bytes,
+        dataclasses.replace(req.base, eviction=eviction, checkpoints=checkpoints or req.base.checkpoints), dcp, req.deployment.gpus(dcp), kv_memory_bytes,
         req.options.max_num_batched_tokens, req.options.max_num_seqs, model=req.serve_model,
         block_size_from_model=req.model is not None, eagle=req.options.use_eagle, manager=manager,
     )

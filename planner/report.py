@@ -91,7 +91,7 @@ ENGINE_LEGEND = {
 def _row_command(result: PlanResult, r: ConfigReport) -> str:
     """The ``vllm serve`` command that runs row ``r`` (an engine over vLLM's Scheduler)."""
     manager = "vllm" if r.engine == "vllm" else "kvproof"
-    return serve_command_for(result.request, r.dcp, r.eviction, r.kv_memory_bytes, manager).text()
+    return serve_command_for(result.request, r.dcp, r.eviction, r.kv_memory_bytes, manager, r.checkpoints).text()
 
 
 def _engine_lines(result: PlanResult) -> list[str]:
@@ -102,8 +102,9 @@ def _engine_lines(result: PlanResult) -> list[str]:
         rows = result.reports if engine == "kvproof" else [r for r in result.vllm_reports if r.engine == engine]
         if rows:
             lines.append(f"  {engine}: {ENGINE_LEGEND[engine]}")
-            if engine != "kvproof":
-                lines.append(f"    {_row_command(result, rows[0])}")
+            if engine != "kvproof":  # one command per checkpoint policy (the first row of each)
+                firsts = {r.checkpoints: r for r in reversed(rows)}
+                lines += [f"    {_row_command(result, firsts[c])}" for c in result.request.checkpoints if c in firsts]
     return lines
 
 
@@ -151,6 +152,27 @@ def _checkpoint_rows(result: PlanResult, several: bool) -> list[list[str]]:
     return rows
 
 
+def _served_checkpoint_rows(result: PlanResult, several: bool) -> list[list[str]]:
+    """kvproof's manager in vLLM's Scheduler, one row per checkpoint policy, DCP size and eviction
+    policy: the hit rate, against the plan's own policy there and against stock vLLM's Scheduler
+    and manager in the same run."""
+    req = result.request
+    served = [r for r in result.vllm_reports if r.engine == "kvproof-vllm"]
+    own = {(r.dcp, r.eviction): r for r in served if r.checkpoints == req.checkpoints[0]}
+    stock = {r.dcp: r for r in result.vllm_reports if r.engine == "vllm"}
+    rows = [["checkpoints"] + (["eviction"] if several else []) + ["DCP", "hit rate", f"x {req.checkpoints[0]}",
+                                                                   "x stock vllm", "evictions"]]
+    for r in sorted(served, key=lambda r: (r.dcp, req.policies.index(r.eviction), req.checkpoints.index(r.checkpoints))):
+        first, base = own.get((r.dcp, r.eviction)), stock.get(r.dcp)
+        rows.append([r.checkpoints] + ([r.eviction] if several else []) + [
+            str(r.dcp), f"{100 * r.hit_rate:.1f} %",
+            f"{r.cached_tokens / first.cached_tokens:.2f}" if first is not None and first.cached_tokens else "-",
+            f"{r.cached_tokens / base.cached_tokens:.2f}" if base is not None and base.cached_tokens else "-",
+            f"{r.evictions:,}",
+        ])
+    return rows
+
+
 def plan_to_text(result: PlanResult) -> str:
     req = result.request
     base = result.layouts[req.dcps[0]]
@@ -171,13 +193,15 @@ def plan_to_text(result: PlanResult) -> str:
         mem = f"{gib(r0.kv_memory_bytes):.4g} GiB per GPU -> " if r0.kv_memory_bytes is not None else ""
         lines.append(f"pool: {mem}{r0.num_blocks:,} blocks of {_mib(r0.block_bytes)} MiB (as vLLM's KV planner sizes it)")
     several = len(req.policies) > 1
+    served_policies = len({r.checkpoints for r in result.vllm_reports}) > 1
     by_dcp = sorted(result.reports + result.vllm_reports,
-                    key=lambda r: (r.dcp, r.engine != "kvproof", req.policies.index(r.eviction) if r.eviction in req.policies else 0))
+                    key=lambda r: (r.dcp, r.engine != "kvproof", req.policies.index(r.eviction) if r.eviction in req.policies else 0,
+                                   req.checkpoints.index(r.checkpoints) if r.checkpoints in req.checkpoints else 0))
 
     def first(r: ConfigReport) -> list[str]:
-        return [r.engine] + ([r.eviction] if several else []) + [str(r.dcp)]
+        return [r.engine] + ([r.checkpoints] if served_policies else []) + ([r.eviction] if several else []) + [str(r.dcp)]
 
-    key = ["engine"] + (["eviction"] if several else []) + ["DCP"]
+    key = ["engine"] + (["checkpoints"] if served_policies else []) + (["eviction"] if several else []) + ["DCP"]
     rows = [key + ["hit rate", "attn alone", "req w/ hit", "prefill tok", "CoW", "evictions", "preempt", "violations"]]
     for r in by_dcp:
         rows.append(first(r) + [
@@ -189,6 +213,10 @@ def plan_to_text(result: PlanResult) -> str:
     if result.checkpoint_reports:
         lines += ["", "checkpoint policies (kvproof's engine; hybrid hit rate against attention alone in the same run, "
                   f"and against the first policy, {req.checkpoints[0]}):", _table(_checkpoint_rows(result, several))]
+    if served_policies:
+        lines += ["", "checkpoint policies in vLLM's Scheduler (kvproof's manager, KVPROOF_MANAGER=kvproof; against "
+                  f"the first policy, {req.checkpoints[0]}, and stock vLLM's Scheduler and manager in the same run):",
+                  _table(_served_checkpoint_rows(result, several))]
     if result.vllm_reports:
         lines += ["engines (commands at the first DCP size; the others add --decode-context-parallel-size):"]
         lines += _engine_lines(result)

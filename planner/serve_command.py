@@ -3,7 +3,8 @@ plan's settings it cannot reproduce (docs/plan.md, "Recommendations and diagnose
 
 Each flag is vLLM's own spelling of one plan setting; tests/vllm/test_serve_command_vllm.py
 parses the command with vLLM's argument parser and checks every engine argument it sets. The
-rules stock vLLM lacks (keys at every hash boundary, compute-aware eviction) are served by
+rules stock vLLM lacks (keys at every hash boundary, compute-aware eviction, the ``reuse``
+checkpoint policy) are served by
 kvproof's manager inside vLLM: the command then starts with ``KVPROOF_MANAGER=kvproof`` and,
 where kvproof's defaults differ from the plan's, ``KVPROOF_OPTIONS`` (its grammar is
 ``integrations/vllm/serving_options.py``'s; tests parse the value back with it).
@@ -104,6 +105,8 @@ def serve_command(
             missing.append(f"--attention-keys {config.attention_keys} (vLLM keys each step's last hash boundary only)")
         if "eviction" in rules:
             missing.append(f"--eviction {config.eviction} (vLLM evicts the least recently used)")
+        if "checkpoints" in rules:
+            missing.append(f"--checkpoints {config.checkpoints} (vLLM keeps Mamba states at its own positions only)")
     elif rules or manager == "kvproof":
         env.append(("KVPROOF_MANAGER", "kvproof"))
         options = kvproof_options(config)

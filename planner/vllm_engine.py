@@ -36,6 +36,16 @@ def _manager_class(engine: str, base: LayoutConfig):
     return functools.partial(KvproofKVCacheManager, options=serving_options.parse(kvproof_options(base)))
 
 
+def _scheduler(engine: str) -> dict:
+    """The Scheduler class ``KVPROOF_MANAGER=kvproof`` serves with (its chunk split also ends at
+    the checkpoint policy's stops, ``kvproof_scheduler``); stock vLLM's otherwise."""
+    if engine == "vllm":
+        return {}
+    from kvproof.integrations.vllm.kvproof_scheduler import KvproofScheduler
+
+    return {"scheduler_cls": KvproofScheduler}
+
+
 def require_vllm() -> None:
     """Raise ``kvproof.extras.MissingExtra`` (naming the ``vllm`` extra and its install
     command) unless vLLM's scheduler side imports on the CPU platform; vLLM's own
@@ -66,7 +76,7 @@ def run_config_vllm(
         harness = EngineHarness(
             layout, pool.num_blocks, max_num_batched_tokens=options.max_num_batched_tokens,
             max_num_seqs=min(options.max_num_seqs, options.max_num_batched_tokens), use_eagle=options.use_eagle,
-            manager_class=_manager_class(engine, base),
+            manager_class=_manager_class(engine, base), **_scheduler(engine),
         )
     except ValueError as e:
         raise ValueError(f"{ENGINE_NAMES[engine]} at DCP {dcp}: {e}") from None
@@ -125,5 +135,6 @@ def run_config_vllm(
         seconds=time.perf_counter() - started,
         engine=engine,
         eviction=base.eviction if engine == "kvproof-vllm" else "lru",
+        checkpoints=base.checkpoints,
         notes=list(result.disagreements),
     )

@@ -53,6 +53,7 @@ from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.same_step import SameStepKeys
 from kvproof.integrations.vllm import serving_options
 from kvproof.integrations.vllm.kv_specs import group_for_spec
+from kvproof.spec.checkpoints import turn_end_ladder
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 
 
@@ -239,7 +240,7 @@ class KvproofKVCacheManager:
             groups, dcp=dcp_world_size, max_model_len=max_model_len, hash_block_size=hash_block_size,
             retention_interval=options.retention_interval(kv_cache_config.prefix_cache_retention_interval),
             shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
-            eviction=options.eviction, attention_keys=options.attention_keys,
+            eviction=options.eviction, attention_keys=options.attention_keys, checkpoints=options.checkpoints,
         ))
         if layout.scheduler_block_size != scheduler_block_size:
             raise ValueError(f"kvproof's scheduler block size for this model is {layout.scheduler_block_size}, "
@@ -262,6 +263,10 @@ class KvproofKVCacheManager:
             self._blocks_needed,
         )
         self.mamba_shared_prefix_checkpoint = self.manager.exact_junction
+        #: The checkpoint policy's turn-end ladder, (rungs, unit), (0, 0) for none: the states
+        #: retention keeps, and the stops kvproof's Scheduler (``kvproof_scheduler``) adds to
+        #: vLLM's chunk split so that they are made.
+        self.ladder = turn_end_ladder(layout)
         #: The groups whose new blocks the worker zeroes and whose rows cover token positions.
         self._attention_groups = tuple(i for i, spec in enumerate(specs) if not isinstance(spec, MambaSpec))
         self._has_mamba = len(self._attention_groups) < len(specs)

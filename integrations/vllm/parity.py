@@ -13,6 +13,11 @@ Two arrival modes:
 The kvproof side runs with the content oracle on: every reused token is checked on every DCP
 rank, so a larger hit is never a wrong one.
 
+``run_served`` is kvproof's manager inside vLLM's real Scheduler instead (as
+``KVPROOF_MANAGER=kvproof`` serves it, the checkpoint policy's split included), with the same
+oracle; against stock vLLM (``run_vllm``) a request behind must follow an earlier one ahead
+(``behind_without_earlier_longer_hit`` lists those that do not).
+
 In ``sequential`` mode a request may still be behind vLLM in two named ways, both the price of
 kvproof reusing more earlier on (docs/coordinator.md, "Hit parity with vLLM 0.33.0"):
 :meth:`Parity.explain_behind` checks that each request behind is one of them. Each run records
@@ -23,7 +28,8 @@ produced the Mamba state a hit resumed from.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import functools
+from typing import Optional, Sequence
 
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
@@ -193,15 +199,9 @@ class _Schedule(StepHook):
                 self.producer[key] = (rid, end)
 
 
-def run_vllm(trace: Sequence[TraceRequest], layout: Layout, options: ParityOptions) -> EngineRun:
-    """vLLM 0.33.0's real Scheduler on the same trace (``engine_harness``)."""
-    sequential = _arrivals(trace, options.arrivals)
-    schedule = _Schedule(layout)
-    harness = EngineHarness(
-        layout, options.num_blocks, max_num_batched_tokens=options.max_num_batched_tokens,
-        use_eagle=options.use_eagle, long_prefill_token_threshold=options.long_prefill_token_threshold,
-        hooks=[schedule],
-    )
+def _drive(harness: EngineHarness, trace: Sequence[TraceRequest], sequential: bool) -> dict[str, int]:
+    """Run ``trace`` through ``harness`` (sequential: each request in the step after the previous
+    one finished); cached tokens per request, in trace order."""
     if sequential:
         for t in trace:
             harness.add_trace([dataclasses.replace(t, arrival=harness.step_count + 1)])
@@ -212,8 +212,66 @@ def run_vllm(trace: Sequence[TraceRequest], layout: Layout, options: ParityOptio
         while harness.has_unfinished():
             harness.step()
     result = harness.result()
-    return EngineRun({t.id: result.num_cached_tokens[t.id] for t in trace}, harness.step_count,
+    return {t.id: result.num_cached_tokens[t.id] for t in trace}
+
+
+def run_vllm(trace: Sequence[TraceRequest], layout: Layout, options: ParityOptions) -> EngineRun:
+    """vLLM 0.33.0's real Scheduler on the same trace (``engine_harness``)."""
+    sequential = _arrivals(trace, options.arrivals)
+    schedule = _Schedule(layout)
+    harness = EngineHarness(
+        layout, options.num_blocks, max_num_batched_tokens=options.max_num_batched_tokens,
+        use_eagle=options.use_eagle, long_prefill_token_threshold=options.long_prefill_token_threshold,
+        hooks=[schedule],
+    )
+    cached = _drive(harness, trace, sequential)
+    return EngineRun(cached, harness.step_count,
                      chunk_ends=schedule.ends, junctions=schedule.junctions, resumed_from=schedule.resumed_from)
+
+
+class _Chunks(StepHook):
+    """Each request's chunk ends in order. Observes only."""
+
+    def __init__(self) -> None:
+        self.ends: dict[str, list[int]] = {}
+
+    def updated(self, harness, record, output, runner_output) -> None:
+        for rid, start, n in record.chunks:
+            self.ends.setdefault(rid, []).append(start + n)
+
+
+def run_served(trace: Sequence[TraceRequest], layout: Layout, options: ParityOptions, serving,
+               scheduler_cls: Optional[type] = None, hooks: Sequence[StepHook] = ()) -> tuple[EngineRun, EngineHarness]:
+    """kvproof's manager under ``serving`` (``serving_options.ServingOptions``) inside vLLM's real
+    Scheduler, as ``KVPROOF_MANAGER=kvproof`` serves it (``kvproof_scheduler.KvproofScheduler``
+    unless ``scheduler_cls`` is given), with the content oracle on every step (the worker model);
+    the run, and the harness (its manager, for inspection)."""
+    from kvproof.integrations.vllm.kvproof_manager import KvproofKVCacheManager
+    from kvproof.integrations.vllm.kvproof_scheduler import KvproofScheduler
+    from kvproof.integrations.vllm.worker_model import OracleHook
+
+    chunks, oracle = _Chunks(), OracleHook(layout)
+    harness = EngineHarness(
+        layout, options.num_blocks, max_num_batched_tokens=options.max_num_batched_tokens,
+        use_eagle=options.use_eagle, long_prefill_token_threshold=options.long_prefill_token_threshold,
+        scheduler_cls=scheduler_cls or KvproofScheduler,
+        manager_class=functools.partial(KvproofKVCacheManager, options=serving), hooks=[chunks, oracle, *hooks],
+    )
+    cached = _drive(harness, trace, _arrivals(trace, options.arrivals))
+    return EngineRun(cached, harness.step_count, list(oracle.worker.violations), chunks.ends), harness
+
+
+def behind_without_earlier_longer_hit(trace: Sequence[TraceRequest], ours: dict[str, int], stock: dict[str, int]) -> list[str]:
+    """Requests caching fewer tokens in ``ours`` than in ``stock`` with no earlier request caching
+    more: outside the named class *earlier longer hit* (docs/coordinator.md: an earlier request
+    resumed further, so it did not recompute the prefix whose chunk ends left, in the other run,
+    the state this one resumes from). Pure."""
+    out, ahead = [], False
+    for t in trace:
+        if ours[t.id] < stock[t.id] and not ahead:
+            out.append(t.id)
+        ahead = ahead or ours[t.id] > stock[t.id]
+    return out
 
 
 def compare(trace: Sequence[TraceRequest], layout: Layout, options: ParityOptions = ParityOptions()) -> Parity:

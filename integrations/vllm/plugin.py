@@ -12,7 +12,9 @@ file already holding data, stops the start naming the value).
 
 ``KVPROOF_MANAGER=kvproof`` (``vllm`` or unset: vLLM's own) binds the name vLLM's Scheduler
 builds its manager with to kvproof's (``kvproof_manager.KvproofKVCacheManager``), after
-validating ``KVPROOF_OPTIONS`` (``serving_options``); a Scheduler with a KV connector
+validating ``KVPROOF_OPTIONS`` (``serving_options``), and wraps the Scheduler's chunk split so
+that it also ends chunks where the options' checkpoint policy keeps states
+(``kvproof_scheduler``); a Scheduler with a KV connector
 (``--kv-transfer-config``: real connectors call vLLM's block-pool API), an async Scheduler or
 speculative decoding over Mamba groups is refused at construction with one line saying what to
 change. With it, ``KVPROOF_CONTRACTS`` keeps its worker-side checks below; on the scheduler side kvproof's manager runs its own
@@ -180,6 +182,7 @@ def _install_kvproof_manager(slow: bool) -> None:
     from vllm.v1.core.sched import scheduler as scheduler_module
 
     from kvproof.integrations.vllm.kvproof_manager import KvproofKVCacheManager
+    from kvproof.integrations.vllm.kvproof_scheduler import with_ladder
     from kvproof.spec.contracts import set_slow
 
     Scheduler = scheduler_module.Scheduler
@@ -204,6 +207,8 @@ def _install_kvproof_manager(slow: bool) -> None:
     __init__.__wrapped__ = original
     Scheduler.__init__ = __init__
     scheduler_module.KVCacheManager = build
+    # The checkpoint policy's stops: vLLM's Scheduler owns the chunk split (kvproof_scheduler).
+    Scheduler._mamba_block_aligned_split = with_ladder(Scheduler._mamba_block_aligned_split)
     if slow:
         set_slow(True)
 

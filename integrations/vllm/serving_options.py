@@ -12,6 +12,9 @@ with one line naming it and what was expected:
   LRU eviction). Options given after it override single rules.
 * ``attention_keys``: ``every-hash`` or ``chunk-ends`` (``spec.layout.ATTENTION_KEYS``).
 * ``eviction``: ``lru`` or ``compute`` (``spec.eviction.POLICIES``).
+* ``checkpoints``: ``vllm`` or ``reuse`` (``spec.checkpoints.CHECKPOINT_POLICIES``): where Mamba
+  states are made and kept. ``reuse`` adds each prompt's turn-end ladder: vLLM's Scheduler then
+  ends chunks at its rungs too (``kvproof_scheduler``) and the manager keeps their states.
 * ``retention``: ``dense`` (every Mamba / sliding-window chunk-end state stays cached), or an
   int K >= 0 (vLLM's ``prefix_cache_retention_interval``); default: what vLLM was configured with.
 """
@@ -22,6 +25,7 @@ import dataclasses
 import os
 from typing import Optional
 
+from kvproof.spec.checkpoints import CHECKPOINT_POLICIES, VLLM
 from kvproof.spec.eviction import LRU, POLICIES
 from kvproof.spec.layout import ATTENTION_KEYS
 
@@ -29,8 +33,8 @@ ENV = "KVPROOF_OPTIONS"
 
 #: The rule sets ``rules=`` selects: the LayoutConfig fields each fixes.
 RULE_SETS = {
-    "kvproof": {"attention_keys": "every-hash", "eviction": LRU},
-    "vllm": {"attention_keys": "chunk-ends", "eviction": LRU},
+    "kvproof": {"attention_keys": "every-hash", "eviction": LRU, "checkpoints": VLLM},
+    "vllm": {"attention_keys": "chunk-ends", "eviction": LRU, "checkpoints": VLLM},
 }
 
 _UNSET = object()
@@ -43,6 +47,7 @@ class ServingOptions:
     rules: str = "kvproof"
     attention_keys: str = RULE_SETS["kvproof"]["attention_keys"]
     eviction: str = RULE_SETS["kvproof"]["eviction"]
+    checkpoints: str = RULE_SETS["kvproof"]["checkpoints"]
     retention: object = _UNSET
 
     def retention_interval(self, configured: Optional[int]) -> Optional[int]:
@@ -70,10 +75,12 @@ def parse(text: Optional[str]) -> ServingOptions:
             fields[name] = _one_of(name, value, ATTENTION_KEYS)
         elif name == "eviction":
             fields[name] = _one_of(name, value, POLICIES)
+        elif name == "checkpoints":
+            fields[name] = _one_of(name, value, CHECKPOINT_POLICIES)
         elif name == "retention":
             fields[name] = _retention(value)
         else:
-            raise ValueError(f"{ENV}: unknown option {name!r}; expected rules, attention_keys, eviction or retention")
+            raise ValueError(f"{ENV}: unknown option {name!r}; expected rules, attention_keys, eviction, checkpoints or retention")
     return ServingOptions(**fields)
 
 

@@ -161,6 +161,8 @@ _INSTALLED = textwrap.dedent("""
     core = engine.engine_core.engine_core
     report["checker"] = hasattr(core.scheduler.kv_cache_manager, "_kvproof_checker")
     report["manager"] = type(core.scheduler.kv_cache_manager).__name__
+    report["split"] = hasattr(Scheduler._mamba_block_aligned_split, "__wrapped__")
+    report["ladder"] = list(getattr(core.scheduler.kv_cache_manager, "ladder", ()))
     report["hits"] = {}
     requests, step = [("r0", 11, 1), ("r2", 17, 1), ("r1", 13, 2)], 0
     try:
@@ -208,7 +210,7 @@ def test_without_the_switch_the_installed_plugin_changes_nothing():
     the copy batch it is handed (the executor always checks: that is its job)."""
     report = _run_fresh(_INSTALLED)
     assert not report["installed"] and not report["scheduler"] and not report["tables"] and not report["checker"]
-    assert not report["slots"]
+    assert not report["slots"] and not report["split"]
     assert report["violation"].startswith("INV-COW-SOURCE-READY: step 4: copy 5 -> 7 writes block 7, which another copy")
 
 
@@ -225,6 +227,17 @@ def test_kvproof_manager_serves_the_same_run_without_vllms_copy_hazard(contracts
     assert "violation" not in report and report["status"] == 0, report["last"]
     assert sorted(report["hits"]) == ["r0", "r1", "r2"] and report["hits"]["r1"] == 10
     assert report["tables"] == report["copies"] == (contracts is not None)
+    assert report["split"] and report["ladder"] == [0, 0]  # the split is wrapped; vLLM's policy adds no stop
+
+
+def test_kvproof_manager_with_checkpoints_reuse_serves_through_the_wrapped_split():
+    """KVPROOF_OPTIONS=checkpoints=reuse: the Scheduler's chunk split carries the ladder (one rung
+    on the checkpoint unit, the Mamba block 4 here) and the same run completes with no violation."""
+    report = _run_fresh(_INSTALLED, KVPROOF_MANAGER="kvproof", KVPROOF_CONTRACTS="slow", KVPROOF_OPTIONS="checkpoints=reuse")
+    assert report["installed"] and report["manager"] == "KvproofKVCacheManager" and report["split"]
+    assert report["ladder"] == [1, 4]
+    assert "violation" not in report and report["status"] == 0, report["last"]
+    assert sorted(report["hits"]) == ["r0", "r1", "r2"]
 
 
 def test_kvproofs_manager_refuses_connectors_async_and_drafts_over_mamba_naming_the_change():
