@@ -113,6 +113,11 @@ class HybridCoordinator:
         """Whether ``request`` is admitted (allocated on its hit, not freed since)."""
         return request.request_id in self._running
 
+    def running(self, request: Request) -> RunningRequest | None:
+        """What the coordinator keeps about ``request`` while it is admitted (None: it is not);
+        the facade asks once per call and hands it to ``grow``. No state change."""
+        return self._running.get(request.request_id)
+
     def junctions(self, request: Request) -> tuple[int, ...]:
         """The junctions of a running request's admission hit (``Hit.junctions``; () for one
         that is not running). No state change."""
@@ -188,22 +193,38 @@ class HybridCoordinator:
 
     def allocate(self, request: Request, total_tokens: int, hit: Hit | None = None) -> tuple[list[int], ...] | None:
         """Mutates unless it returns None. Blocks for ``total_tokens`` tokens in every group:
-        a running request grows; any other is admitted on ``hit`` (None: a miss). None with
-        nothing changed when the pool cannot supply them all (INV-ALLOC-ATOMIC). Every group's
-        row width is checked before any group is touched (INV-TABLE-WIDTH)."""
+        a running request grows (``grow``); any other is admitted on ``hit`` (``admit``; None:
+        a miss). None with nothing changed when the pool cannot supply them all
+        (INV-ALLOC-ATOMIC)."""
+        running = self._running.get(request.request_id)
+        if running is not None:
+            return self.grow(request, running, total_tokens)
+        return self.admit(request, total_tokens, hit)
+
+    def grow(self, request: Request, running: RunningRequest, total_tokens: int) -> tuple[list[int], ...] | None:
+        """Mutates unless it returns None. A running request (``running``: its ``running()``)
+        grows to ``total_tokens`` in every group; a step within its idle span allocates
+        nothing. Every group's row width is checked before any group is touched
+        (INV-TABLE-WIDTH)."""
         if total_tokens > self._max_tokens:
             for m in self.managers:
                 m.check_width(request, total_tokens)
+        if total_tokens <= running.idle_until:
+            if slow():
+                self._check_idle(request, total_tokens)
+            return self._no_entries
         managers = self.managers
-        running = self._running.get(request.request_id)
-        if running is not None:
-            if total_tokens <= running.idle_until:
-                if slow():
-                    self._check_idle(request, total_tokens)
-                return self._no_entries
-            if sum(m.grow_needed(request, total_tokens) for m in managers) > self.pool.num_free:
-                return None
-            return tuple([m.grow(request, total_tokens) for m in managers])
+        if sum(m.grow_needed(request, total_tokens) for m in managers) > self.pool.num_free:
+            return None
+        return tuple([m.grow(request, total_tokens) for m in managers])
+
+    def admit(self, request: Request, total_tokens: int, hit: Hit | None = None) -> tuple[list[int], ...] | None:
+        """Mutates unless it returns None. Admit a request that is not running on ``hit``
+        (None: a miss) with blocks for ``total_tokens`` tokens in every group (the whole rows).
+        Every group's row width is checked before any group is touched (INV-TABLE-WIDTH)."""
+        if total_tokens > self._max_tokens:
+            for m in self.managers:
+                m.check_width(request, total_tokens)
         hit = hit if hit is not None else self.miss
         if self.blocks_needed(request, total_tokens, hit) > self.pool.num_free:
             return None
@@ -214,7 +235,7 @@ class HybridCoordinator:
         if self.valuer is not None:
             self.valuer.note_resume(request.request_id, n)
         self._running[request.request_id] = RunningRequest(junctions)
-        return tuple([m.allocate(request, total_tokens, n, bl, junctions) for m, bl in zip(managers, hit.blocks)])
+        return tuple([m.allocate(request, total_tokens, n, bl, junctions) for m, bl in zip(self.managers, hit.blocks)])
 
     def _check_idle(self, request: Request, total_tokens: int) -> None:
         """INV-IDLE-STEP (slow tier): a step the coordinator skips needs no block in any group."""
@@ -229,7 +250,7 @@ class HybridCoordinator:
 
     # --- after the step -------------------------------------------------------------------------
 
-    def cache(self, request: Request, num_computed: int) -> None:
+    def cache(self, request: Request, num_computed: int) -> bool:
         """Mutates. After the step, unless the request is idle: in every group, key what the step
         computed, then release what it no longer reads.
 
@@ -237,16 +258,22 @@ class HybridCoordinator:
         joins the free queue as a cached block (hittable, evicted last), where released first it
         would be an uncached one (reused first, its contents lost). A sliding window keys its
         last full blocks before they leave the window; Mamba moves its key to the copy (and keys
-        its new state) before it releases the copy and the old state."""
-        running = self._running[request.request_id]  # the facade refuses a request not running
+        its new state) before it releases the copy and the old state.
+
+        Returns False, changing nothing, when ``request`` is not running (the facade refuses
+        it); True otherwise."""
+        running = self._running.get(request.request_id)
+        if running is None:
+            return False
         if num_computed <= running.idle_until:
-            return
+            return True
         managers = self.managers
         for m in managers:
             m.key(request, num_computed)
         for m in managers:
             m.release(request, num_computed)
         running.idle_until = min([m.idle_until(request, num_computed) for m in managers])
+        return True
 
     def free(self, request: Request) -> None:
         """Mutates. Release every block of ``request`` in every group; it is no longer running."""

@@ -190,6 +190,15 @@ class RequestBlockHasher:
         """Tokens appended so far."""
         return self._num_tokens
 
+    def append_token(self, token: int) -> int:
+        """Mutates. ``append((token,))`` for one sampled token: a decode step's call, without
+        the tuple and the loop while the token completes no hash block."""
+        if self._num_tokens + 1 < self._next_ready and type(token) is int and 0 <= token < _TOKEN_LIMIT:
+            self._unpacked.append(token)
+            self._num_tokens += 1
+            return 0
+        return self.append((token,))
+
     def append(self, token_ids: Iterable[int]) -> int:
         """Mutates. Append tokens and hash every hash block that became complete (lookahead
         included). Returns how many hashes were added. Invalid tokens raise ValueError and

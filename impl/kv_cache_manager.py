@@ -168,20 +168,21 @@ class KVCacheManager:
         """``allocate_slots`` and ``reserve_slots``: ``count`` slots after the computed tokens
         (after the hit), only for known tokens when ``known_only``."""
         rid = request.request_id
-        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+        if type(count) is not int and (isinstance(count, bool) or not isinstance(count, int)) or count <= 0:
             raise ValueError(f"request {rid!r}: {name} {count!r} must be an int > 0")
         if rid in self._in_flight:
             raise ValueError(
                 f"request {rid!r} was already allocated this step; "
                 "a request gets one allocate_slots per step, and cache() after its forward pass"
             )
-        running = self.coordinator.is_running(request)
-        if running:
+        coordinator = self.coordinator
+        running = coordinator.running(request)
+        if running is not None:
             if hit is not None and hit.num_tokens:
                 raise ValueError(f"request {rid!r} is running; a running request takes no hit")
             start = request.num_computed_tokens
         else:
-            hit = hit if hit is not None else self.coordinator.miss
+            hit = hit if hit is not None else coordinator.miss
             start = hit.num_tokens
         total = start + count
         if known_only and total > len(request.token_ids):
@@ -190,12 +191,15 @@ class KVCacheManager:
             raise ValueError(f"request {rid!r}: {start} + {count} {'tokens' if known_only else 'slots'} exceed "
                              f"max_model_len {self._max_model_len}")
         free_before = self.pool.num_free
-        result = self.coordinator.allocate(request, total, hit)
+        if running is not None:
+            result = coordinator.grow(request, running, total)
+        else:
+            result = coordinator.admit(request, total, hit)
         if result is None:
             if self.pool.num_free != free_before:
                 raise InvariantViolation("INV-ALLOC-ATOMIC", f"request {rid!r}: a failed allocation changed the pool")
             return None
-        if not running:
+        if running is None:
             request.num_computed_tokens = hit.num_tokens
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = hit.num_tokens
@@ -213,12 +217,11 @@ class KVCacheManager:
         """Mutates. After the forward pass: key what it computed (``request.num_computed_tokens``
         must already count the step's tokens), then release blocks the step no longer needs
         (the order and why: ``HybridCoordinator.cache``)."""
-        if not self.coordinator.is_running(request):
+        if not self.coordinator.cache(request, request.num_computed_tokens):
             raise ValueError(
                 f"request {request.request_id!r} holds no blocks (freed, or never allocated); "
                 "cache() follows its allocate_slots, before free()"
             )
-        self.coordinator.cache(request, request.num_computed_tokens)
         self._in_flight.discard(request.request_id)
 
     def free(self, request: Request) -> None:

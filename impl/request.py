@@ -63,8 +63,8 @@ class Request:
         return len(self.hasher.block_hashes) * self.hasher.hash_block_size
 
     def append_output(self, token: int) -> None:
+        self.hasher.append_token(token)  # first: it refuses a bad token before anything changes
         self.token_ids.append(token)
-        self.hasher.append((token,))
 
     def __repr__(self) -> str:
         return f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"

@@ -110,7 +110,7 @@ class Scheduler:
         """Where this step's chunk ends (``start``: the request waits for a later step).
         ``junctions``: those of the hit a waiting request is admitted on (None: a running
         request, whose admission hit's the manager keeps)."""
-        if start + 1 == request.num_tokens or self._splitter is None:
+        if start + 1 == len(request.token_ids) or self._splitter is None:
             return start + num_new  # a decode step, or no Mamba state to place
         if junctions is None:
             junctions = self.kv.junctions(request)
@@ -140,7 +140,7 @@ class Scheduler:
         while i < len(queue) and budget > 0:
             req = queue[i]
             start = req.num_computed_tokens
-            end = self._chunk_end(req, start, min(req.num_tokens - start, cap, budget))
+            end = self._chunk_end(req, start, min(len(req.token_ids) - start, cap, budget))
             if end == start:
                 i += 1  # no block-aligned chunk fits what is left of the budget
                 continue
@@ -238,11 +238,12 @@ class Scheduler:
             req = chunk.request
             req.num_computed_tokens = chunk.start + chunk.num_tokens
             self.kv.cache(req)
-            if req.num_computed_tokens == req.num_tokens:
-                k = req.num_outputs
-                if k < len(req.expected_outputs):
-                    req.append_output(req.expected_outputs[k])
-                if req.num_outputs >= len(req.expected_outputs):
+            if req.num_computed_tokens == len(req.token_ids):
+                k, expected = req.num_outputs, req.expected_outputs
+                if k < len(expected):
+                    req.append_output(expected[k])
+                    k += 1
+                if k >= len(expected):
                     done.append(req)
         for req in done:
             self.kv.free(req)

@@ -130,11 +130,12 @@ def test_idle_steps_change_nothing(config, trace, num_blocks, budget, eagle, rea
         """After a ``cache`` that did work: which group alone set the idle range (its bound
         below every other group's), so that each manager's bound is seen deciding it."""
         worked = num_computed > self.idle_until(request)
-        cache(self, request, num_computed)
+        running = cache(self, request, num_computed)
         if worked:
             bounds = sorted((m.idle_until(request, num_computed), m.group.kind) for m in self.managers)
             if bounds[0][0] > num_computed and (len(bounds) == 1 or bounds[0][0] < bounds[1][0]):
                 binding.add(bounds[0][1])
+        return running
 
     with monkeypatch.context() as m:
         m.setattr(HybridCoordinator, "_check_idle", counted)
