@@ -364,3 +364,15 @@ def test_under_lru_freeing_a_request_leaves_the_blocks_it_no_longer_held_in_plac
     assert released_by_a and cached[: len(released_by_a)] == released_by_a and len(cached) > len(released_by_a)  # a's states, then b's
     kv.free(a)
     assert [blk for blk in kv.pool.free_order() if blk in set(cached)] == cached
+
+
+@pytest.mark.parametrize("shared", [9, 13, 17, 21])
+def test_with_eagle_a_layout_without_full_attention_drops_nothing_at_its_junctions(shared):
+    """Only full attention's hits end a unit early under EAGLE (its draft recomputes them). With
+    a sliding window and Mamba alone, a request sharing ``shared`` tokens of a cached one misses
+    (no Mamba state there) and branches at the window's last whole block below them, exactly."""
+    kv = KVCacheManager(layout(CacheGroup(GroupKind.SLIDING_WINDOW, 4, sliding_window=8), CacheGroup(MAMBA, 4)), 64, use_eagle=True)
+    h = kv.layout.hash_block_size
+    assert all(run.blocks is not None for run in run_chunks(kv, Request("a", list(range(24)), h), [24]))
+    hit = kv.lookup(Request("b", list(range(shared)) + [999] * 6, h))
+    assert (hit.num_tokens, hit.junctions) == (0, (shared // 4 * 4,))
