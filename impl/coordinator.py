@@ -207,8 +207,7 @@ class HybridCoordinator:
         nothing. Every group's row width is checked before any group is touched
         (INV-TABLE-WIDTH)."""
         if total_tokens > self._max_tokens:
-            for m in self.managers:
-                m.check_width(request, total_tokens)
+            self._check_widths(request, total_tokens)
         if total_tokens <= running.idle_until:
             if slow():
                 self._check_idle(request, total_tokens)
@@ -223,8 +222,7 @@ class HybridCoordinator:
         (None: a miss) with blocks for ``total_tokens`` tokens in every group (the whole rows).
         Every group's row width is checked before any group is touched (INV-TABLE-WIDTH)."""
         if total_tokens > self._max_tokens:
-            for m in self.managers:
-                m.check_width(request, total_tokens)
+            self._check_widths(request, total_tokens)
         hit = hit if hit is not None else self.miss
         if self.blocks_needed(request, total_tokens, hit) > self.pool.num_free:
             return None
@@ -236,6 +234,12 @@ class HybridCoordinator:
             self.valuer.note_resume(request.request_id, n)
         self._running[request.request_id] = RunningRequest(junctions)
         return tuple([m.allocate(request, total_tokens, n, bl, junctions) for m, bl in zip(self.managers, hit.blocks)])
+
+    def _check_widths(self, request: Request, total_tokens: int) -> None:
+        """INV-TABLE-WIDTH: every group's row can hold ``total_tokens`` (asked only above the
+        narrowest row's capacity, before any group is touched)."""
+        for m in self.managers:
+            m.check_width(request, total_tokens)
 
     def _check_idle(self, request: Request, total_tokens: int) -> None:
         """INV-IDLE-STEP (slow tier): a step the coordinator skips needs no block in any group."""

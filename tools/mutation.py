@@ -85,7 +85,8 @@ TESTS = {
 SCHEDULER_TESTS = ("tests/impl/test_mutants_coordinator.py", "tests/impl/test_mutants_managers.py",
                    "tests/impl/test_mutants_sliding_window.py",
                    "tests/impl/test_coordinator_scenarios.py", "tests/impl/test_admission.py", "tests/impl/test_retention.py",
-                   "tests/impl/test_oracle_teeth.py", "tests/impl/test_idle_steps.py", "tests/impl/test_coordinator_machine.py")
+                   "tests/impl/test_oracle_teeth.py", "tests/impl/test_idle_steps.py", "tests/impl/test_junctions_eagle.py",
+                   "tests/impl/test_coordinator_machine.py")
 for _module in ("impl/free_list.py", "impl/key_index.py", "impl/eviction_queue.py"):
     TESTS[_module] = TESTS["impl/block_pool.py"]  # the pool's parts: judged by the pool's tests
 for _module in ("impl/coordinator.py", "impl/managers/base.py", "impl/managers/full_attention.py", "impl/managers/mamba.py",

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 
 from kvproof.impl import hashing
 from kvproof.impl.hashing import MultiModalItem, RequestBlockHasher, full_block_key, key_at, request_block_hashes
+from kvproof.impl.request import Request
 
 token_lists = st.lists(st.integers(0, 5), max_size=40)
 
@@ -29,6 +30,32 @@ def test_incremental_appends_equal_hashing_at_once(tokens, h, cuts):
     assert hasher.block_hashes == request_block_hashes(tokens, h)
     assert added == len(tokens) // h == len(hasher.block_hashes)
     assert hasher.num_tokens == len(tokens)
+
+
+@settings(max_examples=150)
+@given(tokens=token_lists, h=st.integers(1, 5), lookahead=st.integers(0, 2), split=st.integers(0, 40))
+def test_one_token_appends_equal_hashing_at_once(tokens, h, lookahead, split):
+    """INV-HASH-CHAIN for the decode step's call: ``append_token`` after a first piece (the
+    prompt) gives the same hashes as ``append`` of the whole, block ends and lookahead included."""
+    split = min(split, len(tokens))
+    one_by_one, at_once = RequestBlockHasher(h, lookahead_tokens=lookahead), RequestBlockHasher(h, lookahead_tokens=lookahead)
+    added = one_by_one.append(tokens[:split]) + sum(one_by_one.append_token(t) for t in tokens[split:])
+    assert added == at_once.append(tokens)
+    assert one_by_one.block_hashes == at_once.block_hashes
+    assert one_by_one.num_tokens == len(tokens)
+
+
+@pytest.mark.parametrize("bad", [-1, 1 << 64, "3", 2.5])
+def test_a_bad_sampled_token_changes_neither_the_request_nor_its_hashes(bad):
+    """``Request.append_output`` (``append_token``) refuses a bad token, naming it, before
+    anything is recorded; the request goes on as if it had never been offered."""
+    request = Request("r", [1, 2, 3], 2)
+    before = (list(request.token_ids), list(request.block_hashes), request.hasher.num_tokens)
+    with pytest.raises(ValueError, match=re.escape(f"token id {bad!r} at position 0 must be an int in [0, 2**64)")):
+        request.append_output(bad)
+    assert (list(request.token_ids), list(request.block_hashes), request.hasher.num_tokens) == before
+    request.append_output(4)
+    assert request.block_hashes == request_block_hashes([1, 2, 3, 4], 2)
 
 
 @settings(max_examples=150)

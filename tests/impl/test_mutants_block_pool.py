@@ -104,3 +104,16 @@ def test_a_prefix_key_of_one_token_is_well_formed():
     pool.extend_partial(b, ("k1", 0), 1)
     pool.extend_full(b, ("k2", 0), 2)
     assert pool.keys_of(b) == ((("k2", 0), 2), (("k1", 0), 1)) and pool._check()
+
+
+@pytest.mark.parametrize("bad", [0, 4, 99, -1])
+def test_move_key_names_a_block_id_out_of_range_and_changes_nothing(bad):
+    """A bad id on either side of ``move_key`` is refused with the verb's own error, never an
+    IndexError from reading its reference count."""
+    pool = BlockPool(4)
+    pool.allocate(3)
+    pool.cache_full(1, ("k", 0), 2)
+    for src, dst in ((1, bad), (bad, 2)):
+        with pytest.raises(ValueError, match=re.escape(f"move_key needs two distinct held real blocks, got {src} -> {dst}")):
+            pool.move_key(src, dst)
+    assert pool.lookup(("k", 0)) == 1 and pool.key_of(2) is None

@@ -15,7 +15,7 @@ from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.managers import FullAttentionManager
 from kvproof.impl.managers.base import StepLedger
 from kvproof.impl.request import Request
-from kvproof.sim.drive import Step
+from kvproof.sim.drive import Step, run_chunks
 from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.groups import CacheGroup, GroupKind, MambaCacheMode
 from kvproof.spec.layout import LayoutConfig, resolve_layout
@@ -348,3 +348,31 @@ def test_a_key_at_the_start_of_a_blocks_span_is_outside_it():
     kv.pool.grow_keys(blk, [(("stray", 0), 8)])  # the bug: block 0's boundary keyed on block 1
     with pytest.raises(InvariantViolation, match=re.escape(f"block {blk} at row index 1 has keys of lengths [8]")):
         manager.check_keys()
+
+
+def test_under_lru_freeing_a_request_leaves_the_blocks_it_no_longer_held_in_place():
+    """LRU orders free blocks by release. The cached Mamba states a request released while it
+    ran (retention keeps every chunk end) were queued then; freeing the request must not move
+    them behind blocks released since -- re-valuing them on free is the compute policy's alone."""
+    kv = KVCacheManager(layout(CacheGroup(MAMBA, 4), retention_interval=None), 24)
+    a, b = Request("a", list(range(16)), kv.layout.hash_block_size), Request("b", list(range(100, 116)), kv.layout.hash_block_size)
+    assert all(run.blocks is not None for run in run_chunks(kv, a, [4, 4, 4, 3]))
+    released_by_a = [blk for blk in kv.pool.free_order() if kv.pool.key_of(blk) is not None]
+    assert all(run.blocks is not None for run in run_chunks(kv, b, [4, 4, 4, 3]))
+    kv.free(b)
+    cached = [blk for blk in kv.pool.free_order() if kv.pool.key_of(blk) is not None]
+    assert released_by_a and cached[: len(released_by_a)] == released_by_a and len(cached) > len(released_by_a)  # a's states, then b's
+    kv.free(a)
+    assert [blk for blk in kv.pool.free_order() if blk in set(cached)] == cached
+
+
+@pytest.mark.parametrize("shared", [9, 13, 17, 21])
+def test_with_eagle_a_layout_without_full_attention_drops_nothing_at_its_junctions(shared):
+    """Only full attention's hits end a unit early under EAGLE (its draft recomputes them). With
+    a sliding window and Mamba alone, a request sharing ``shared`` tokens of a cached one misses
+    (no Mamba state there) and branches at the window's last whole block below them, exactly."""
+    kv = KVCacheManager(layout(CacheGroup(GroupKind.SLIDING_WINDOW, 4, sliding_window=8), CacheGroup(MAMBA, 4)), 64, use_eagle=True)
+    h = kv.layout.hash_block_size
+    assert all(run.blocks is not None for run in run_chunks(kv, Request("a", list(range(24)), h), [24]))
+    hit = kv.lookup(Request("b", list(range(shared)) + [999] * 6, h))
+    assert (hit.num_tokens, hit.junctions) == (0, (shared // 4 * 4,))
