@@ -8,9 +8,9 @@ Comma-separated ``name=value`` pairs; each is validated at start and a bad one s
 with one line naming it and what was expected:
 
 * ``rules``: ``kvproof`` (default: a key at every hash boundary the forward pass wrote) or
-  ``vllm`` (vLLM 0.33.0's choices: keys only at block ends and each step's last hash boundary,
-  LRU eviction). Options given after it override single rules.
-* ``attention_keys``: ``every-hash`` or ``chunk-ends`` (``spec.layout.ATTENTION_KEYS``).
+  ``vllm`` (vLLM 0.33.0's choices: keys only at block ends and each prompt's tail, LRU
+  eviction). Options given after it override single rules.
+* ``attention_keys``: ``every-hash``, ``chunk-ends`` or ``prompt-tail`` (``spec.layout.ATTENTION_KEYS``).
 * ``eviction``: ``lru`` or ``compute`` (``spec.eviction.POLICIES``).
 * ``retention``: ``dense`` (every Mamba / sliding-window chunk-end state stays cached), or an
   int K >= 0 (vLLM's ``prefix_cache_retention_interval``); default: what vLLM was configured with.
@@ -30,7 +30,7 @@ ENV = "KVPROOF_OPTIONS"
 #: The rule sets ``rules=`` selects: the LayoutConfig fields each fixes.
 RULE_SETS = {
     "kvproof": {"attention_keys": "every-hash", "eviction": LRU},
-    "vllm": {"attention_keys": "chunk-ends", "eviction": LRU},
+    "vllm": {"attention_keys": "prompt-tail", "eviction": LRU},
 }
 
 _UNSET = object()
