@@ -55,6 +55,10 @@ class PlanRequest:
     serve_model: Optional[str] = None
     #: The sweep is the automatic one: its points too small for the workload are left out.
     sweep_auto: bool = False
+    #: The workload at another step time (ms -> Workload), for the recommended configuration's
+    #: step-time sensitivity; None: not rebuildable (a pipe), so not checked.
+    at_step_ms: Optional[Callable[[float], Workload]] = None
+    step_ms: float = 50.0
 
 
 #: The engine name of kvproof's replay under stock vLLM 0.33.0's rules (``stock_config``).
@@ -281,6 +285,9 @@ def _recommendation(req: PlanRequest, reports: list[ConfigReport], sweep: list[C
     plan ran vLLM's Scheduler, what that command measured there beside stock vLLM."""
     out = recommend(reports, sweep, req.objective, req.deployment)
     choice = out["choice"]
+    if choice is not None and req.at_step_ms is not None:
+        _step_sensitivity(req, out, [r for r in reports + sweep if r.dcp == choice["dcp"]
+                                     and r.kv_memory_bytes == choice["kv_memory_bytes"] and r.eviction == choice["eviction"]][0])
     if choice is not None:
         command = serve_command_for(req, choice["dcp"], choice["eviction"], choice["kv_memory_bytes"])
         out["serve"] = command.text()
@@ -298,6 +305,26 @@ def _recommendation(req: PlanRequest, reports: list[ConfigReport], sweep: list[C
         if ours is not None and stock is not None:
             out["served_hit_rate"] = {"this command": round(ours.hit_rate, 6), "stock vllm": round(stock.hit_rate, 6)}
     return out
+
+
+#: Step times the sensitivity check replays, as factors of the plan's.
+STEP_FACTORS = (0.5, 2.0)
+
+
+def _step_sensitivity(req: PlanRequest, out: dict, chosen: ConfigReport) -> None:
+    """Mutates ``out``. The recommended configuration replayed at half and double the step time
+    (``step_ms_sensitivity``); a note when either moves its hit rate by more than a point."""
+    pool = _pool_for(req, resolve_layout(dataclasses.replace(req.base, dcp=chosen.dcp)), chosen.kv_memory_bytes)
+    base = dataclasses.replace(req.base, eviction=chosen.eviction)
+    rates = {}
+    for f in STEP_FACTORS:
+        ms = req.step_ms * f
+        rates[ms] = run_config(req.at_step_ms(ms), base, chosen.dcp, pool, chosen.kv_memory_bytes, req.options).hit_rate
+    out["step_ms_sensitivity"] = {f"{ms:g}": round(r, 6) for ms, r in rates.items()}
+    if any(abs(r - chosen.hit_rate) > 0.01 for r in rates.values()):
+        out.setdefault("notes", []).append(
+            "step time matters: --step-ms " + ", ".join(f"{ms:g} gives {100 * r:.1f} %" for ms, r in rates.items())
+            + f" (here {req.step_ms:g}: {100 * chosen.hit_rate:.1f} %); give your server's step time")
 
 
 def serve_command_for(req: PlanRequest, dcp: int, eviction: str, kv_memory_bytes: Optional[int], manager: str = "auto"):
