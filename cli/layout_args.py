@@ -84,7 +84,7 @@ def add_layout_arguments(parser: argparse.ArgumentParser, default_preset: str = 
     add(
         "--attention-keys", choices=ATTENTION_KEYS, default=ATTENTION_KEYS[0],
         help="which hash boundaries inside a full-attention / MLA block get a prefix-cache key: every-hash "
-        "(default) every one the forward pass wrote; chunk-ends only each step's last one (vLLM's rule)",
+        "(default) every one the forward pass wrote; chunk-ends only each step's last one; prompt-tail only the prompt's tail (vLLM 0.33.0's rule)",
     )
     add("--checkpoints", choices=CHECKPOINT_POLICIES, default=CHECKPOINT_POLICIES[0],
         help="where Mamba states are made and kept: 'vllm' (default) vLLM 0.33.0's positions; 'reuse' also a "

@@ -303,7 +303,22 @@ def build_request(args: argparse.Namespace):
         model=model, objective=objective, deployment=deployment,
         serve_model=args.model if model is not None and os.path.isdir(args.model) else None,
         sweep_auto=args.memory_sweep == "auto",
+        at_step_ms=_rebuild(args, base.max_model_len), step_ms=args.step_ms,
     )
+
+
+def _rebuild(args: argparse.Namespace, max_len: int):
+    """The workload at another step time (for the step-time sensitivity note), or None for a
+    trace that can be read only once (a pipe, a FIFO)."""
+    import stat
+
+    if args.trace is not None and not args.generate:
+        try:
+            if not stat.S_ISREG(os.stat(args.trace).st_mode):
+                return None
+        except OSError:
+            return None
+    return lambda ms: _workload(argparse.Namespace(**{**vars(args), "step_ms": ms}), max_len)
 
 
 def run(args: argparse.Namespace) -> int:

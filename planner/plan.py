@@ -17,7 +17,7 @@ from kvproof.planner.diagnose import Diagnosis, diagnose
 from kvproof.planner.memory import ModelMemory, PoolPlan, gib, plan_pool
 from kvproof.planner.model_config import ModelLayout
 from kvproof.planner.recommend import Deployment, Objective, recommend
-from kvproof.planner.serve_command import serve_command
+from kvproof.planner.serve_command import serve_command, stock_config
 from kvproof.planner.reuse import workload_reuse
 from kvproof.planner.run import ConfigReport, RunOptions, check_capacity, run_config
 from kvproof.sim.workload import Workload
@@ -56,6 +56,14 @@ class PlanRequest:
     serve_model: Optional[str] = None
     #: The sweep is the automatic one: its points too small for the workload are left out.
     sweep_auto: bool = False
+    #: The workload at another step time (ms -> Workload), for the recommended configuration's
+    #: step-time sensitivity; None: not rebuildable (a pipe), so not checked.
+    at_step_ms: Optional[Callable[[float], Workload]] = None
+    step_ms: float = 50.0
+
+
+#: The engine name of kvproof's replay under stock vLLM 0.33.0's rules (``stock_config``).
+STOCK = "stock"
 
 
 @dataclasses.dataclass
@@ -75,6 +83,10 @@ class Task:
         base = dataclasses.replace(self.config or req.base, eviction=self.eviction)
         if self.checkpoints is not None:
             base = dataclasses.replace(base, checkpoints=self.checkpoints)
+        if self.engine == STOCK:
+            report = run_config(req.workload, stock_config(base), self.dcp, self.pool, self.kv_memory_bytes,
+                                req.options, tick)
+            return dataclasses.replace(report, engine=STOCK)
         if self.engine != "kvproof":
             from kvproof.planner.vllm_engine import run_config_vllm
 
@@ -105,6 +117,8 @@ class PlanResult:
     notes: list[str] = dataclasses.field(default_factory=list)
     #: kvproof's engine under the other checkpoint policies (``PlanRequest.checkpoints[1:]``).
     checkpoint_reports: list[ConfigReport] = dataclasses.field(default_factory=list)
+    #: Stock vLLM 0.33.0 with the same flags: kvproof's replay under vLLM's rules, one per DCP size.
+    stock_reports: list[ConfigReport] = dataclasses.field(default_factory=list)
 
     @property
     def violations(self) -> int:
@@ -130,6 +144,8 @@ def prepare(req: PlanRequest) -> tuple[dict[int, Layout], list[Task], list[str]]
         _check_pool(pool, d, req.kv_memory_bytes)
         check_capacity(longest, req.base, d, pool, req.options)  # the expanded geometry resolves too
         tasks += [Task(d, req.kv_memory_bytes, pool, False, eviction=e) for e in req.policies]
+        if not _stock_is_planned(req):
+            tasks.append(Task(d, req.kv_memory_bytes, pool, False, STOCK))
         tasks += [Task(d, req.kv_memory_bytes, pool, False, eviction=e, checkpoints=c)
                   for c in req.checkpoints[1:] for e in req.policies]
         if "vllm" in req.engines:
@@ -154,6 +170,13 @@ def prepare(req: PlanRequest) -> tuple[dict[int, Layout], list[Task], list[str]]
         left_out = [f"memory sweep: left out {', '.join(left_out)}: too small a pool for the longest request "
                     f"({longest:,} tokens)"]
     return layouts, tasks, left_out
+
+
+def _stock_is_planned(req: PlanRequest) -> bool:
+    """Whether the plan's own LRU run already is stock vLLM's (its rules are vLLM's): then that
+    run is the stock column too, and is not replayed twice."""
+    lru = dataclasses.replace(req.base, eviction="lru")
+    return "lru" in req.policies and stock_config(lru) == lru
 
 
 #: Most pool blocks a plan may ask for: the pool keeps two int lists per block, so this bounds
@@ -195,8 +218,11 @@ def run_plan(req: PlanRequest, progress: Optional[Callable[[int, int], None]] = 
     layouts, tasks, notes = prepare(req)
     results = _run_tasks(req, tasks, progress)
     reports = [r for r, t in zip(results, tasks) if not t.sweep and t.engine == "kvproof" and t.checkpoints is None]
+    stock = [r for r, t in zip(results, tasks) if t.engine == STOCK]
+    if _stock_is_planned(req):
+        stock = [dataclasses.replace(r, engine=STOCK) for r in reports if r.eviction == "lru"]
     compared = [r for r, t in zip(results, tasks) if t.checkpoints is not None and t.engine == "kvproof"]
-    vllm_reports = [r for r, t in zip(results, tasks) if t.engine != "kvproof"]
+    vllm_reports = [r for r, t in zip(results, tasks) if t.engine not in ("kvproof", STOCK)]
     sweep = [r for r, t in zip(results, tasks) if t.sweep]
     if sweep:  # the main runs are sweep points too
         sweep = sorted(sweep + [r for r in reports if r.kv_memory_bytes is not None],
@@ -210,8 +236,8 @@ def run_plan(req: PlanRequest, progress: Optional[Callable[[int, int], None]] = 
     diagnoses = diagnose(layouts, reports, prompt_lengths, req.options.max_num_seqs, req.memory, reuse)
     diagnoses = _replay_remedies(req, diagnoses, results, tasks, _fine_unit(layouts), progress)
     return PlanResult(
-        req, layouts, reports, sweep, vllm_reports, _recommendation(req, reports, sweep, vllm_reports), diagnoses, reuse,
-        time.perf_counter() - started, tasks[0].pool.vllm_groups, reuse_tokens, notes, compared,
+        req, layouts, reports, sweep, vllm_reports, _recommendation(req, reports, sweep, vllm_reports, stock), diagnoses,
+        reuse, time.perf_counter() - started, tasks[0].pool.vllm_groups, reuse_tokens, notes, compared, stock,
     )
 
 
@@ -255,15 +281,24 @@ def _replay_remedies(req: PlanRequest, diagnoses: list[Diagnosis], results: list
 
 
 def _recommendation(req: PlanRequest, reports: list[ConfigReport], sweep: list[ConfigReport],
-                    served: list[ConfigReport]) -> dict:
-    """The recommendation, with the ``vllm serve`` command of its choice and, when the plan ran
-    vLLM's Scheduler, what that command measured there beside stock vLLM."""
+                    served: list[ConfigReport], stock: list[ConfigReport]) -> dict:
+    """The recommendation, with the ``vllm serve`` command of its choice, stock vLLM's hit rate
+    with the same flags at its DCP size (when it is at the plan's own memory size) and, when the
+    plan ran vLLM's Scheduler, what that command measured there beside stock vLLM."""
     out = recommend(reports, sweep, req.objective, req.deployment)
     choice = out["choice"]
+    if choice is not None and req.at_step_ms is not None:
+        _step_sensitivity(req, out, [r for r in reports + sweep if r.dcp == choice["dcp"]
+                                     and r.kv_memory_bytes == choice["kv_memory_bytes"] and r.eviction == choice["eviction"]][0])
     if choice is not None:
         command = serve_command_for(req, choice["dcp"], choice["eviction"], choice["kv_memory_bytes"])
         out["serve"] = command.text()
         out["not_reproduced"] = list(command.not_reproduced)
+        same_stock = next((r for r in stock if r.dcp == choice["dcp"] and r.kv_memory_bytes == choice["kv_memory_bytes"]),
+                          None)
+        if same_stock is not None:
+            out["stock_hit_rate"] = round(same_stock.hit_rate, 6)
+            out["stock_serve"] = serve_command_for(req, choice["dcp"], "lru", choice["kv_memory_bytes"], "vllm").text()
         same = [r for r in served if r.dcp == choice["dcp"] and r.kv_memory_bytes == choice["kv_memory_bytes"]
                 and r.eviction in (choice["eviction"], "lru") and r.checkpoints == req.base.checkpoints]
         engine = "kvproof-vllm" if command.env else "vllm"
@@ -274,12 +309,33 @@ def _recommendation(req: PlanRequest, reports: list[ConfigReport], sweep: list[C
     return out
 
 
+#: Step times the sensitivity check replays, as factors of the plan's.
+STEP_FACTORS = (0.5, 2.0)
+
+
+def _step_sensitivity(req: PlanRequest, out: dict, chosen: ConfigReport) -> None:
+    """Mutates ``out``. The recommended configuration replayed at half and double the step time
+    (``step_ms_sensitivity``); a note when either moves its hit rate by more than a point."""
+    pool = _pool_for(req, resolve_layout(dataclasses.replace(req.base, dcp=chosen.dcp)), chosen.kv_memory_bytes)
+    base = dataclasses.replace(req.base, eviction=chosen.eviction)
+    rates = {}
+    for f in STEP_FACTORS:
+        ms = req.step_ms * f
+        rates[ms] = run_config(req.at_step_ms(ms), base, chosen.dcp, pool, chosen.kv_memory_bytes, req.options).hit_rate
+    out["step_ms_sensitivity"] = {f"{ms:g}": round(r, 6) for ms, r in rates.items()}
+    if any(abs(r - chosen.hit_rate) > 0.01 for r in rates.values()):
+        out.setdefault("notes", []).append(
+            "step time matters: --step-ms " + ", ".join(f"{ms:g} gives {100 * r:.1f} %" for ms, r in rates.items())
+            + f" (here {req.step_ms:g}: {100 * chosen.hit_rate:.1f} %); give your server's step time")
+
+
 def serve_command_for(req: PlanRequest, dcp: int, eviction: str, kv_memory_bytes: Optional[int], manager: str = "auto",
                       checkpoints: Optional[str] = None):
     """The ``vllm serve`` command (``serve_command.ServeCommand``) of one planned configuration
     (``manager`` as ``serve_command`` takes it; ``checkpoints`` None: the plan's policy)."""
+    config = dataclasses.replace(req.base, eviction=eviction, checkpoints=checkpoints or req.base.checkpoints)
     return serve_command(
-        dataclasses.replace(req.base, eviction=eviction, checkpoints=checkpoints or req.base.checkpoints), dcp, req.deployment.gpus(dcp), kv_memory_bytes,
+        stock_config(config) if manager == "vllm" else config, dcp, req.deployment.gpus(dcp), kv_memory_bytes,
         req.options.max_num_batched_tokens, req.options.max_num_seqs, model=req.serve_model,
         block_size_from_model=req.model is not None, eagle=req.options.use_eagle, manager=manager,
     )

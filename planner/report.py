@@ -67,7 +67,8 @@ def plan_to_json(result: PlanResult) -> dict:
         "model": None if req.model is None else req.model.to_json(),
         "engine": "kvproof",
         "oracle": req.options.oracle,
-        "configs": [config_to_json(r) for r in result.reports],
+        "configs": [{**config_to_json(r), "serve": _row_command(result, r)} for r in result.reports],
+        "stock_configs": [{**config_to_json(r), "serve": _row_command(result, r)} for r in result.stock_reports],
         "vllm_configs": [{**config_to_json(r), "serve": _row_command(result, r)} for r in result.vllm_reports],
         "memory_sweep": [config_to_json(r) for r in result.sweep],
         "checkpoint_configs": [config_to_json(r) for r in result.checkpoint_reports],
@@ -82,29 +83,42 @@ def plan_to_json(result: PlanResult) -> dict:
 
 #: What each engine of a plan's rows runs, in words.
 ENGINE_LEGEND = {
-    "kvproof": "kvproof's scheduler and manager, replayed (kvproof's own scheduling: no vllm serve runs it)",
-    "vllm": "vLLM 0.33.0's Scheduler and KV-cache manager, stock vLLM:",
-    "kvproof-vllm": "vLLM's Scheduler with kvproof's manager inside it:",
+    "kvproof": "kvproof's manager and scheduler, replayed; the manager serves inside vLLM with:",
+    "stock": "stock vLLM 0.33.0 with the same flags, replayed under vLLM's rules (docs/plan.md):",
+    "vllm": "vLLM 0.33.0's own Scheduler and KV-cache manager (stock vLLM), run on the CPU:",
+    "kvproof-vllm": "vLLM's own Scheduler with kvproof's manager inside it, run on the CPU:",
 }
 
 
 def _row_command(result: PlanResult, r: ConfigReport) -> str:
-    """The ``vllm serve`` command that runs row ``r`` (an engine over vLLM's Scheduler)."""
-    manager = "vllm" if r.engine == "vllm" else "kvproof"
+    """The ``vllm serve`` command that reproduces row ``r``: stock vLLM's for the stock rows and
+    vLLM's own engine, kvproof's manager inside vLLM for the others."""
+    manager = "vllm" if r.engine in ("vllm", "stock") else "kvproof"
     return serve_command_for(result.request, r.dcp, r.eviction, r.kv_memory_bytes, manager, r.checkpoints).text()
 
 
+def _engine_rows(result: PlanResult) -> list[ConfigReport]:
+    """Every row of the main table, by DCP size, then engine (``ENGINE_LEGEND``'s order), then
+    eviction policy."""
+    policies, checkpoints = result.request.policies, result.request.checkpoints
+    order = list(ENGINE_LEGEND)
+    return sorted(result.reports + result.stock_reports + result.vllm_reports,
+                  key=lambda r: (r.dcp, order.index(r.engine), policies.index(r.eviction) if r.eviction in policies else 0,
+                                 checkpoints.index(r.checkpoints) if r.checkpoints in checkpoints else 0))
+
+
 def _engine_lines(result: PlanResult) -> list[str]:
-    """One line per engine in the rows, saying what it runs; for vLLM's Scheduler, the command of
-    its first row (the others differ in the DCP size)."""
+    """One line per engine in the rows, saying what it runs, and the command of its first row
+    (the others differ in the DCP size, or the eviction policy)."""
     lines = []
+    rows = _engine_rows(result)
     for engine in ENGINE_LEGEND:
-        rows = result.reports if engine == "kvproof" else [r for r in result.vllm_reports if r.engine == engine]
-        if rows:
+        mine = [r for r in rows if r.engine == engine]
+        if mine:
             lines.append(f"  {engine}: {ENGINE_LEGEND[engine]}")
-            if engine != "kvproof":  # one command per checkpoint policy (the first row of each)
-                firsts = {r.checkpoints: r for r in reversed(rows)}
-                lines += [f"    {_row_command(result, firsts[c])}" for c in result.request.checkpoints if c in firsts]
+            firsts = {r.checkpoints: r for r in reversed(mine)}  # one command per checkpoint policy served
+            lines += ([f"    {_row_command(result, firsts[c])}" for c in result.request.checkpoints if c in firsts]
+                      or [f"    {_row_command(result, mine[0])}"])
     return lines
 
 
@@ -194,9 +208,7 @@ def plan_to_text(result: PlanResult) -> str:
         lines.append(f"pool: {mem}{r0.num_blocks:,} blocks of {_mib(r0.block_bytes)} MiB (as vLLM's KV planner sizes it)")
     several = len(req.policies) > 1
     served_policies = len({r.checkpoints for r in result.vllm_reports}) > 1
-    by_dcp = sorted(result.reports + result.vllm_reports,
-                    key=lambda r: (r.dcp, r.engine != "kvproof", req.policies.index(r.eviction) if r.eviction in req.policies else 0,
-                                   req.checkpoints.index(r.checkpoints) if r.checkpoints in req.checkpoints else 0))
+    by_dcp = _engine_rows(result)
 
     def first(r: ConfigReport) -> list[str]:
         return [r.engine] + ([r.checkpoints] if served_policies else []) + ([r.eviction] if several else []) + [str(r.dcp)]
@@ -217,9 +229,8 @@ def plan_to_text(result: PlanResult) -> str:
         lines += ["", "checkpoint policies in vLLM's Scheduler (kvproof's manager, KVPROOF_MANAGER=kvproof; against "
                   f"the first policy, {req.checkpoints[0]}, and stock vLLM's Scheduler and manager in the same run):",
                   _table(_served_checkpoint_rows(result, several))]
-    if result.vllm_reports:
-        lines += ["engines (commands at the first DCP size; the others add --decode-context-parallel-size):"]
-        lines += _engine_lines(result)
+    lines += ["engines, and the command of each one's first row (the others differ in the DCP size):"]
+    lines += _engine_lines(result)
     # Per group (named by kind): the most blocks held at once, and the block tables on one GPU.
     names = _group_names(base)
     has_peak = all(r.peak_blocks_per_group is not None for r in result.reports)
@@ -259,6 +270,9 @@ def plan_to_text(result: PlanResult) -> str:
     lines += [f"  {n}" for n in rec.get("notes", ())]
     if "serve" in rec:
         lines.append(f"  {rec['serve']}")
+        if "stock_hit_rate" in rec:
+            lines.append(f"  stock vLLM with the same flags ({'this command' if rec['stock_serve'] == rec['serve'] else 'no KVPROOF_MANAGER'}): "
+                         f"{100 * rec['stock_hit_rate']:.1f} %")
         if "served_hit_rate" in rec:
             served = rec["served_hit_rate"]
             lines.append(f"  in vLLM's Scheduler this command measured {100 * served['this command']:.1f} %, "

@@ -59,6 +59,18 @@ def _rules(config: LayoutConfig) -> dict[str, str]:
     return {name: getattr(config, name) for name in STOCK_RULES}
 
 
+def stock_config(config: LayoutConfig) -> LayoutConfig:
+    """``config`` under stock vLLM 0.33.0's rules, what ``serve_command(..., manager="vllm")``
+    serves: vLLM's rule set (``RULE_SETS["vllm"]``: keys at block ends and prompt tails, LRU),
+    vLLM's Mamba state positions, partial hash hits on, and an attention-only layout hashed per
+    block. Pure."""
+    attention_only = not any(g.kind is GroupKind.MAMBA for g in config.groups)
+    return dataclasses.replace(
+        config, **STOCK_RULES, checkpoints="vllm", allow_partial_hash_hits=True,
+        hash_block_size=None if attention_only else config.hash_block_size,
+    )
+
+
 def serve_command(
     config: LayoutConfig,
     dcp: int,
@@ -102,7 +114,7 @@ def serve_command(
     rules = kvproof_rules(config)
     if manager == "vllm":
         if "attention_keys" in rules:
-            missing.append(f"--attention-keys {config.attention_keys} (vLLM keys each step's last hash boundary only)")
+            missing.append(f"--attention-keys {config.attention_keys} (vLLM keys only block ends and the prompt tail)")
         if "eviction" in rules:
             missing.append(f"--eviction {config.eviction} (vLLM evicts the least recently used)")
         if "checkpoints" in rules:
@@ -112,6 +124,10 @@ def serve_command(
         options = kvproof_options(config)
         if options:
             env.append((OPTIONS_ENV, options))
+    if not config.allow_partial_hash_hits:
+        missing.append("--no-partial-hash-hits (vLLM 0.33.0 always allows partial hash hits)")
+    if config.checkpoints != "vllm":
+        missing.append(f"--checkpoints {config.checkpoints} (vLLM's Scheduler places vLLM's Mamba states)")
     if eagle:
         missing.append("--eagle (add your draft model as vllm serve's --speculative-config)")
     if config.hash_block_size is not None and not mamba:

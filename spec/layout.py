@@ -29,8 +29,9 @@ MAX_MODEL_LEN_LIMIT = 1 << 30
 #: Where an attention (full attention / MLA) block gets prefix-cache keys, for
 #: ``LayoutConfig.attention_keys``: ``every-hash`` at every hash boundary the forward pass wrote
 #: (the managers' keying rule, docs/spec.md), ``chunk-ends`` only at block ends and each step's
-#: last hash boundary (vLLM 0.33's rule, kept for comparison).
-ATTENTION_KEYS = ("every-hash", "chunk-ends")
+#: last hash boundary, ``prompt-tail`` only at block ends and the prompt's tail (vLLM 0.33.0's
+#: rule: ``prompt - 1`` floored to the hash unit, ``prompt`` with EAGLE).
+ATTENTION_KEYS = ("every-hash", "chunk-ends", "prompt-tail")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,10 +11,15 @@ from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.layout import eagle_unit
 
 
+#: ``partial_keyed`` under ``prompt-tail`` keys once the tail is keyed (or needs no key).
+_NO_TAIL = 1 << 62
+
+
 class AttentionRequest(GroupRequest):
     """A request in an attention group: its row, and how far it is keyed (``full_keyed``: the
     leading blocks that have their full-block keys; ``partial_keyed``: the last hash boundary
-    given a partial key, 0 if none)."""
+    given a partial key, 0 if none; under ``prompt-tail``, the boundary before the prompt tail
+    while it waits for its key, else ``_NO_TAIL``)."""
 
     __slots__ = ("full_keyed", "partial_keyed")
 
@@ -31,8 +36,11 @@ class FullAttentionManager(SingleTypeManager):
 
     Caching: the full-block key once the block is complete and, with partial hits on, keys
     inside the block -- at every hash boundary the forward pass wrote (``attention_keys``
-    ``every-hash``, INV-KEYS-EVERY-HASH), or only at each step's last computed hash boundary
-    (``chunk-ends``, vLLM's rule). The KV is append-only, so the block keeps its earlier keys as
+    ``every-hash``, INV-KEYS-EVERY-HASH), only at each step's last computed hash boundary
+    (``chunk-ends``), or only at the request's prompt tail (``prompt-tail``, vLLM 0.33.0's
+    ``_cache_partial_tail_block``: ``prompt - 1`` floored to H, ``prompt`` with EAGLE, once
+    computed; vLLM re-attaches it on every call, so it outlives the block's growth as an alias,
+    which a prefix key is here). The KV is append-only, so the block keeps its earlier keys as
     prefix keys (the pool's extending verbs, ``extend_full``, ``extend_partial``, ``grow_keys``):
     a request that diverges inside the block still finds the longest prefix it shares that has a
     key. They leave with the block (eviction drops them all).
@@ -45,6 +53,8 @@ class FullAttentionManager(SingleTypeManager):
         self._probe_partial = a < b
         #: Key every hash boundary written (else only chunk ends); moot without partial hits.
         self._every_hash = self._probe_partial and attention_keys == "every-hash"
+        #: Key only the prompt tail inside a block (vLLM's rule), not each chunk's last boundary.
+        self._tail_only = self._probe_partial and attention_keys == "prompt-tail"
         #: EAGLE: the draft recomputes one hash unit (one block when hits are block-aligned).
         self.eagle_unit = eagle_unit(b, h, a) if self.use_eagle else 0
         self.requests: dict[str, AttentionRequest] = {}
@@ -91,9 +101,17 @@ class FullAttentionManager(SingleTypeManager):
         if self._every_hash or not self._probe_partial:
             return grid
         b, h = self.effective_block_size, self.hash_block_size
-        last = min(end, request.hashed_len)
+        last = self._prompt_tail(request) if self._tail_only else min(end, request.hashed_len)
         last -= last % h
         return [n for n in grid if n % b == 0 or n == last]
+
+    def _prompt_tail(self, request: Request) -> int:
+        """The one hash boundary inside a block that vLLM keys for ``request``: its prompt less
+        one token (EAGLE reads the whole prompt), floored to H and to what is hashed. No state
+        change."""
+        h = self.hash_block_size
+        limit = request.num_prompt_tokens if self.use_eagle else request.num_prompt_tokens - 1
+        return min(limit // h, len(request.block_hashes)) * h
 
     # --- allocation -----------------------------------------------------------------------------
 
@@ -115,7 +133,11 @@ class FullAttentionManager(SingleTypeManager):
             table[-1] = dst
         # Every-hash keying starts after the hit: the boundaries below it already have keys (on
         # the hit's blocks), and the copy-on-write block's would only duplicate them.
-        self.requests[rid] = AttentionRequest(table, hit_len // self.effective_block_size, hit_len if self._every_hash else 0)
+        partial = hit_len if self._every_hash else 0
+        if self._tail_only:  # the boundary before the prompt tail, or none left to key
+            tail = self._prompt_tail(request)
+            partial = tail - self.hash_block_size if tail % self.effective_block_size and tail > hit_len else _NO_TAIL
+        self.requests[rid] = AttentionRequest(table, hit_len // self.effective_block_size, partial)
         self._grow(table, total_tokens)
         return list(table)
 
@@ -132,6 +154,17 @@ class FullAttentionManager(SingleTypeManager):
         full_done, partial_done = state.full_keyed, state.partial_keyed
         full = limit // b
         boundary = limit - limit % h
+        if self._tail_only:
+            # The pending prompt tail (allocate set it), keyed once computed and before its
+            # block's full key, which keeps it as a prefix key (vLLM re-attaches it as an alias).
+            tail = partial_done + h
+            if partial_done != _NO_TAIL and tail <= limit:
+                if self.pool.extend_partial(table[tail // b], key_at(hashes, tail, h, self.group_id), tail):
+                    self.ledger.keyed.add(table[tail // b])
+                partial_done = _NO_TAIL
+            self._key_full_blocks(request, table, full_done, full, self.pool.extend_full)
+            state.full_keyed, state.partial_keyed = max(full, full_done), partial_done
+            return
         if self._every_hash:
             self._key_every_hash(table, hashes, partial_done, boundary)
             state.full_keyed, state.partial_keyed = max(full, full_done), boundary

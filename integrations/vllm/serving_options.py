@@ -8,9 +8,9 @@ Comma-separated ``name=value`` pairs; each is validated at start and a bad one s
 with one line naming it and what was expected:
 
 * ``rules``: ``kvproof`` (default: a key at every hash boundary the forward pass wrote) or
-  ``vllm`` (vLLM 0.33.0's choices: keys only at block ends and each step's last hash boundary,
-  LRU eviction). Options given after it override single rules.
-* ``attention_keys``: ``every-hash`` or ``chunk-ends`` (``spec.layout.ATTENTION_KEYS``).
+  ``vllm`` (vLLM 0.33.0's choices: keys only at block ends and each prompt's tail, LRU
+  eviction). Options given after it override single rules.
+* ``attention_keys``: ``every-hash``, ``chunk-ends`` or ``prompt-tail`` (``spec.layout.ATTENTION_KEYS``).
 * ``eviction``: ``lru`` or ``compute`` (``spec.eviction.POLICIES``).
 * ``checkpoints``: ``vllm`` or ``reuse`` (``spec.checkpoints.CHECKPOINT_POLICIES``): where Mamba
   states are made and kept. ``reuse`` adds each prompt's turn-end ladder: vLLM's Scheduler then
@@ -34,7 +34,7 @@ ENV = "KVPROOF_OPTIONS"
 #: The rule sets ``rules=`` selects: the LayoutConfig fields each fixes.
 RULE_SETS = {
     "kvproof": {"attention_keys": "every-hash", "eviction": LRU, "checkpoints": VLLM},
-    "vllm": {"attention_keys": "chunk-ends", "eviction": LRU, "checkpoints": VLLM},
+    "vllm": {"attention_keys": "prompt-tail", "eviction": LRU, "checkpoints": VLLM},
 }
 
 _UNSET = object()

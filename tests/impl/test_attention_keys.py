@@ -1,6 +1,7 @@
 """Keys at every hash boundary of an attention block (``LayoutConfig.attention_keys``):
 a request diverging anywhere inside a block reuses up to its last common hash unit, on every
-DCP rank; the old rule (``chunk-ends``) stays for comparison. The contracts INV-KEYS-EVERY-HASH
+DCP rank; the old rule (``chunk-ends``) stays for comparison, and vLLM 0.33.0's
+(``prompt-tail``) serves the stock-vLLM column of ``kvproof plan``. The contracts INV-KEYS-EVERY-HASH
 and INV-KEYS-PER-BLOCK each made to fire."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from kvproof.impl.hashing import key_at
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.request import Request
-from kvproof.sim.drive import run_chunks
+from kvproof.sim.drive import run_chunk, run_chunks
 from kvproof.sim.replay import replay
 from kvproof.sim.trace import TraceRequest
 from kvproof.spec import contracts
@@ -53,6 +54,40 @@ def test_a_consumer_diverging_inside_a_block_reuses_its_last_common_hash_unit(ke
     consumer = Request("c", list(range(100, 107)) + [999, 998, 997], 2)
     assert run(kv, consumer, [10 - want]) == want
     assert kv.check_state()
+
+
+@pytest.mark.parametrize("keys, want", [("every-hash", [6, 4, 2, 8, 10, 12, 14]), ("chunk-ends", [4, 8, 12, 14]),
+                                        ("prompt-tail", [8, 12])])
+def test_which_boundaries_inside_a_block_get_keys(keys, want):
+    """A 13-token prompt computed in chunks of 5 and 8 (block 8, H 2), then decoded to 17 tokens:
+    every-hash keys every boundary written; chunk-ends each step's last one (4, 12, 14) and the
+    block end; prompt-tail (vLLM 0.33.0's ``_cache_partial_tail_block``) only the prompt's tail,
+    12 = floor(13 - 1, H), which stays as a prefix key once its block fills (vLLM re-attaches it
+    on every call)."""
+    kv = kv_for(keys, dcp=1, block=8)
+    req = Request("p", list(range(100, 113)), 2)
+    run(kv, req, [5, 8])
+    for token in range(500, 504):  # decode: each step computes the token sampled before it
+        req.append_output(token)
+        assert run_chunk(kv, req, 1).blocks is not None
+    assert req.num_computed_tokens == 17
+    pool, table = kv.pool, kv.coordinator.managers[0].row("p")
+    assert sorted(n for blk in table for _, n in pool.keys_of(blk)) == sorted(want + [16])
+    assert kv.check_state()
+
+
+@pytest.mark.parametrize("eagle, tail", [(False, 12), (True, 14)])
+def test_prompt_tail_keys_the_tail_a_resend_reaches(eagle, tail):
+    """vLLM keys ``prompt - 1`` floored to H (a resend hits at most that), the whole prompt with
+    EAGLE (its lookup reads the whole prompt, then drops one unit); a block end needs no partial
+    key (a 17-token prompt: 16)."""
+    for prompt, want in ((14, tail), (17, None)):
+        kv = KVCacheManager(resolve_layout(LayoutConfig((CacheGroup(MLA, 8),), max_model_len=512, hash_block_size=2,
+                                                        attention_keys="prompt-tail")), 64, use_eagle=eagle)
+        req = Request("p", list(range(100, 100 + prompt)), 2)
+        run(kv, req, [prompt])
+        keys = sorted(n for blk in kv.coordinator.managers[0].row("p") for _, n in kv.pool.keys_of(blk))
+        assert keys == sorted([8] + ([16] if prompt >= 16 else []) + ([want] if want else []))
 
 
 def test_keys_stop_at_what_was_computed_and_nothing_below_the_hit_is_rekeyed():

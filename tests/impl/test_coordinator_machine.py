@@ -112,7 +112,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         finer_hash=st.booleans(),
         num_blocks=st.sampled_from([16, 24, 24, 48, 256]),
         budget=st.sampled_from([4, 16, 64]),
-        attention_keys=st.sampled_from(["every-hash", "every-hash", "chunk-ends"]),
+        attention_keys=st.sampled_from(["every-hash", "every-hash", "chunk-ends", "prompt-tail"]),
     )
     def setup(self, dcp, fa_block, mamba_factor, speculative, window, eagle, partial, retention, exact_junction,
               finer_hash, num_blocks, budget, attention_keys):
@@ -377,7 +377,7 @@ class AttentionAloneMachine(CoordinatorMachine):
         partial=st.sampled_from([True, True, True, False]),
         num_blocks=st.sampled_from([16, 24, 48, 256]),
         budget=st.sampled_from([4, 16, 64]),
-        attention_keys=st.sampled_from(["every-hash", "every-hash", "chunk-ends"]),
+        attention_keys=st.sampled_from(["every-hash", "every-hash", "chunk-ends", "prompt-tail"]),
     )
     def setup(self, dcp, fa_block, eagle, partial, num_blocks, budget, attention_keys):
         config = LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, fa_block),), dcp=dcp, max_model_len=512,

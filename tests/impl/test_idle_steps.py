@@ -64,7 +64,7 @@ def layouts(draw):
         tuple(groups), dcp=dcp if sharded else 1, max_model_len=512,
         hash_block_size=(block // 2 or 1) if finer else None,
         retention_interval=draw(st.sampled_from([None, 0])),
-        attention_keys=draw(st.sampled_from(["every-hash", "chunk-ends"])),
+        attention_keys=draw(st.sampled_from(["every-hash", "chunk-ends", "prompt-tail"])),
     )
 
 

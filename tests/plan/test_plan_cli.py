@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import subprocess
 
 import pytest
 
@@ -17,6 +18,8 @@ from kvproof.sim.replay import replay
 from kvproof.sim.trace import read_trace
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.layout import LayoutConfig, resolve_layout
+
+from ..conftest import kvproof_command
 
 SMALL = ["--group", "full_attention:128", "--group", "mamba:256", "--max-model-len", "8192", "--no-progress", "--jobs", "1"]
 
@@ -322,3 +325,51 @@ def test_warm_up_halves_split_the_hit_rate(tmp_path, plan_json):
     first, second = config["hit_rate_by_half"]
     assert first == 0 and second > 0.8
     assert first <= config["hit_rate"] <= second  # the whole is an average of its halves
+
+
+def test_every_plan_has_a_stock_vllm_row_per_dcp_size(plan_json, plan_cli):
+    """Without vLLM installed: each DCP size also replays under stock vLLM 0.33.0's rules, which
+    are the plan's flags with vLLM's keying rule given by hand (--attention-keys prompt-tail):
+    that plan's own rows are the same numbers, and it replays nothing twice (its stock rows are
+    its kvproof rows). The stock rows' commands run stock vLLM (no KVPROOF_MANAGER)."""
+    counts = ("cached_tokens", "requests_with_hit", "prefill_tokens", "cow_copies", "evictions", "peak_blocks_per_group")
+    data = plan_json("--limit", "60", "--dcp", "1,4,8", "--kv-memory-gib", "4")
+    stock = {c["dcp"]: c for c in data["stock_configs"]}
+    assert sorted(stock) == [1, 4, 8] and all(c["engine"] == "stock" for c in stock.values())
+    assert all(c["serve"].startswith("vllm serve ") for c in stock.values())
+    assert all(c["serve"].startswith("KVPROOF_MANAGER=kvproof vllm serve ") for c in data["configs"])
+    by_hand = plan_json("--limit", "60", "--dcp", "1,4,8", "--kv-memory-gib", "4", "--attention-keys", "prompt-tail")
+    for c in by_hand["configs"]:
+        assert {k: c[k] for k in counts} == {k: stock[c["dcp"]][k] for k in counts}
+        assert "KVPROOF_OPTIONS=attention_keys=prompt-tail " in c["serve"]  # kvproof's manager under vLLM's rules
+    assert by_hand["recommendation"]["serve"] == by_hand["recommendation"]["stock_serve"]  # stock vLLM serves them
+    assert [{k: c[k] for k in counts} for c in by_hand["stock_configs"]] == [{k: c[k] for k in counts} for c in by_hand["configs"]]
+    # Under DCP 8 vLLM's keys lose the shared prefixes inside 2,048-token blocks; kvproof's keep them.
+    kvproof = {c["dcp"]: c for c in data["configs"]}
+    assert kvproof[8]["cached_tokens"] > stock[8]["cached_tokens"]
+    rec = data["recommendation"]
+    assert rec["stock_hit_rate"] == stock[rec["choice"]["dcp"]]["hit_rate"]
+    text = plan_cli("--limit", "20", "--dcp", "1,8", "--no-progress").stdout
+    assert "\n  stock    8 " in text and "\n  stock vLLM with the same flags (no KVPROOF_MANAGER): " in text
+
+
+def test_a_step_time_that_moves_the_recommended_hit_rate_is_noted(plan_json, plan_cli, tmp_path):
+    """The recommended configuration is replayed at half and double --step-ms; each rate is what
+    a plan at that step time measures, and a move of more than a point gets one note (the built-in
+    workload at DCP 1: 6.2 % at 50 ms, 4.6 % at 100). A trace read from a pipe is not re-read."""
+    data = plan_json("--dcp", "1")
+    rec = data["recommendation"]
+    for ms, rate in rec["step_ms_sensitivity"].items():
+        again = plan_json("--dcp", "1", "--step-ms", ms)
+        assert again["configs"][0]["hit_rate"] == rate
+    assert max(abs(r - rec["choice"]["hit_rate"]) for r in rec["step_ms_sensitivity"].values()) > 0.01
+    assert [n for n in rec["notes"] if n.startswith("step time matters: --step-ms 25 gives ")]
+    quiet = plan_json("--limit", "100", "--dcp", "1")["recommendation"]
+    assert sorted(quiet["step_ms_sensitivity"]) == ["100", "25"]
+    assert not [n for n in quiet["notes"] if n.startswith("step time matters")]
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"id": "a", "prompt": list(range(40)), "output": [1, 2], "arrival": 0}) + "\n")
+    done = subprocess.run(f"cat {path} | {' '.join(kvproof_command())} plan --trace /dev/stdin --group full_attention:16 "
+                          "--num-blocks 50 --dcp 1 --json --no-progress", shell=True, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "step_ms_sensitivity" not in json.loads(done.stdout)["recommendation"]

@@ -11,7 +11,7 @@ from kvproof.planner.serve_command import serve_command
 from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.layout import LayoutConfig
 
-ATTENTION = LayoutConfig(groups=(CacheGroup(GroupKind.FULL_ATTENTION, 16),), attention_keys="chunk-ends")
+ATTENTION = LayoutConfig(groups=(CacheGroup(GroupKind.FULL_ATTENTION, 16),), attention_keys="prompt-tail")
 
 
 def test_vllms_own_rules_leave_nothing_out():
@@ -32,7 +32,7 @@ def test_kvproofs_rules_are_served_by_its_manager():
     the manager's own parser as the plan's rules; nothing is then left unreproduced."""
     from kvproof.integrations.vllm import serving_options
 
-    for keys, eviction in (("every-hash", "lru"), ("every-hash", "compute"), ("chunk-ends", "compute")):
+    for keys, eviction in (("every-hash", "lru"), ("every-hash", "compute"), ("chunk-ends", "lru"), ("chunk-ends", "compute")):
         config = dataclasses.replace(ATTENTION, attention_keys=keys, eviction=eviction)
         command = serve_command(config, 1, 1, None, 8192, 256)
         env = dict(command.env)
@@ -46,7 +46,7 @@ def test_kvproofs_rules_are_served_by_its_manager():
 def test_the_manager_can_be_chosen():
     # vLLM's rules in kvproof's manager: its defaults differ, so the option says which.
     assert serve_command(ATTENTION, 1, 1, None, 8192, 256, manager="kvproof").env == (
-        ("KVPROOF_MANAGER", "kvproof"), ("KVPROOF_OPTIONS", "attention_keys=chunk-ends"))
+        ("KVPROOF_MANAGER", "kvproof"), ("KVPROOF_OPTIONS", "attention_keys=prompt-tail"))
     stock = serve_command(dataclasses.replace(ATTENTION, eviction="compute"), 1, 1, None, 8192, 256, manager="vllm")
     assert stock.env == () and [n.split(" (")[0] for n in stock.not_reproduced] == ["--eviction compute"]
     with pytest.raises(ValueError, match="manager 'sglang' must be one of auto, vllm, kvproof"):

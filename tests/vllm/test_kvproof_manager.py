@@ -240,8 +240,8 @@ def test_a_bad_option_is_refused_naming_it(text, named, monkeypatch):
 def test_the_vllm_rule_set_and_single_overrides():
     assert serving_options.parse("") == serving_options.ServingOptions()
     vllm = serving_options.parse("rules=vllm, eviction=compute, retention=dense")
-    assert (vllm.rules, vllm.attention_keys, vllm.eviction, vllm.retention_interval(0)) == ("vllm", "chunk-ends", "compute", None)
+    assert (vllm.rules, vllm.attention_keys, vllm.eviction, vllm.retention_interval(0)) == ("vllm", "prompt-tail", "compute", None)
     assert serving_options.parse("retention=32").retention_interval(0) == 32
     assert serving_options.parse("rules=vllm").retention_interval(0) == 0  # vLLM's configured value
     manager = manager_for(ATTENTION, options=serving_options.parse("rules=vllm"))
-    assert manager.manager.layout.config.attention_keys == "chunk-ends"
+    assert manager.manager.layout.config.attention_keys == "prompt-tail"
