@@ -66,7 +66,7 @@ def stock_config(config: LayoutConfig) -> LayoutConfig:
     block. Pure."""
     attention_only = not any(g.kind is GroupKind.MAMBA for g in config.groups)
     return dataclasses.replace(
-        config, **STOCK_RULES, checkpoints="vllm", allow_partial_hash_hits=True,
+        config, **STOCK_RULES, allow_partial_hash_hits=True,
         hash_block_size=None if attention_only else config.hash_block_size,
     )
 
