@@ -36,3 +36,19 @@ def plan_cli_fixture():
 @pytest.fixture(name="plan_json")
 def plan_json_fixture():
     return plan_json
+
+
+def write_next_turn_trace(path, conversations: int) -> None:
+    """A Mooncake-format trace shaped as the real one: ``conversations`` chats of three turns,
+    each next turn re-sending all but the last (partial) id of the previous prompt, so it shares
+    the prompt up to a multiple of 512 below its end."""
+    lines, next_id = [], 0
+    for conv in range(conversations):
+        ids = [next_id, next_id + 1]
+        next_id += 2
+        for turn in range(3):
+            lines.append({"timestamp": 2000 * (3 * conv + turn), "input_length": 512 * (len(ids) - 1) + 300,
+                          "output_length": 2, "hash_ids": list(ids)})
+            ids = ids[:-1] + [next_id, next_id + 1]
+            next_id += 2
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))

@@ -20,6 +20,7 @@ from kvproof.spec.groups import CacheGroup, GroupKind
 from kvproof.spec.layout import LayoutConfig, resolve_layout
 
 from ..conftest import kvproof_command
+from .conftest import write_next_turn_trace
 
 SMALL = ["--group", "full_attention:128", "--group", "mamba:256", "--max-model-len", "8192", "--no-progress", "--jobs", "1"]
 
@@ -247,19 +248,9 @@ def test_eviction_policies_side_by_side(capsys, mooncake_trace):
 
 @pytest.fixture
 def next_turn_trace(tmp_path):
-    """As the real Mooncake trace: each next turn re-sends all but the last (partial) id of the
-    previous prompt, so it shares the prompt up to a multiple of 512 below its end."""
-    lines, next_id = [], 0
-    for conv in range(6):
-        ids = [next_id, next_id + 1]
-        next_id += 2
-        for turn in range(3):
-            lines.append({"timestamp": 2000 * (3 * conv + turn), "input_length": 512 * (len(ids) - 1) + 300,
-                          "output_length": 2, "hash_ids": list(ids)})
-            ids = ids[:-1] + [next_id, next_id + 1]
-            next_id += 2
+    """As the real Mooncake trace (``write_next_turn_trace``), six conversations."""
     path = tmp_path / "turns.jsonl"
-    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    write_next_turn_trace(path, 6)
     return str(path)
 
 

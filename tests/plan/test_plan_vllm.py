@@ -14,6 +14,7 @@ pytest.importorskip("vllm")
 from kvproof.sim.trace import read_trace  # noqa: E402
 from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
+from .conftest import write_next_turn_trace  # noqa: E402
 
 
 def _engine_of(command: str) -> dict:
@@ -86,17 +87,8 @@ def test_checkpoint_policies_in_vllms_scheduler(tmp_path, plan_cli):
     from kvproof.integrations.vllm.engine_harness import EngineHarness
     from kvproof.sim.mooncake import iter_mooncake, to_trace_request
 
-    lines, next_id = [], 0
-    for conv in range(4):
-        ids = [next_id, next_id + 1]
-        next_id += 2
-        for turn in range(3):
-            lines.append({"timestamp": 2000 * (3 * conv + turn), "input_length": 512 * (len(ids) - 1) + 300,
-                          "output_length": 2, "hash_ids": list(ids)})
-            ids = ids[:-1] + [next_id, next_id + 1]
-            next_id += 2
     path = tmp_path / "turns.jsonl"
-    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    write_next_turn_trace(path, 4)
     groups = (CacheGroup(GroupKind.FULL_ATTENTION, 128), CacheGroup(GroupKind.MAMBA, 256))
     done = plan_cli("--trace", str(path), "--group", "full_attention:128", "--group", "mamba:256", "--max-model-len", "8192",
                     "--dcp", "1,2", "--num-blocks", "400", "--engine", "vllm", "--checkpoints", "vllm,reuse", "--json",
