@@ -118,7 +118,7 @@ def test_idle_steps_change_nothing(config, trace, num_blocks, budget, eagle, rea
     reach.minimums = {"idle steps skipped": 60, "idle: mamba speculative": 4, "idle: mamba mode none": 6,
                       "idle: sliding window": 10, "preempted": 5, "idle: eagle": 25,
                       "idle bound set by: attention": 8, "idle bound set by: mamba": 5,
-                      "idle bound set by: sliding window": 8}
+                      "idle bound set by: sliding window": 8, "idle: prompt-tail keys inside a block": 3}
     skipped, binding = [], set()
     check_idle, cache = HybridCoordinator._check_idle, HybridCoordinator.cache
 
@@ -162,6 +162,8 @@ def test_idle_steps_change_nothing(config, trace, num_blocks, budget, eagle, rea
             reach("idle: sliding window")
         if eagle:
             reach("idle: eagle")
+        if config.attention_keys == "prompt-tail" and config.hash_block_size and GroupKind.FULL_ATTENTION in kinds:
+            reach("idle: prompt-tail keys inside a block")
     for kind in binding:
         reach(f"idle bound set by: {_KIND_NAMES[kind]}")
     if any(step[3] for step in with_skip[0]):
