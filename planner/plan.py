@@ -287,10 +287,10 @@ def _recommendation(req: PlanRequest, reports: list[ConfigReport], sweep: list[C
     plan ran vLLM's Scheduler, what that command measured there beside stock vLLM."""
     out = recommend(reports, sweep, req.objective, req.deployment)
     choice = out["choice"]
-    if choice is not None and req.at_step_ms is not None:
-        _step_sensitivity(req, out, [r for r in reports + sweep if r.dcp == choice["dcp"]
-                                     and r.kv_memory_bytes == choice["kv_memory_bytes"] and r.eviction == choice["eviction"]][0])
     if choice is not None:
+        if req.at_step_ms is not None:
+            _step_sensitivity(req, out, next(r for r in reports + sweep if r.dcp == choice["dcp"]
+                                             and r.kv_memory_bytes == choice["kv_memory_bytes"] and r.eviction == choice["eviction"]))
         command = serve_command_for(req, choice["dcp"], choice["eviction"], choice["kv_memory_bytes"])
         out["serve"] = command.text()
         out["not_reproduced"] = list(command.not_reproduced)
