@@ -43,17 +43,25 @@ def add_workload_arguments(parser) -> None:
     parser.add_argument("--num-blocks", type=int, default=20000)
     parser.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", metavar="FILE",
+                        help="a Mooncake-format trace instead (its first --requests requests at their arrival times; "
+                             "groups default to the kimi-k3 preset's), e.g. ../shared/traces/mooncake/conversation_trace.jsonl")
+    parser.add_argument("--ms-per-step", type=int, default=50, help="with --trace: trace milliseconds per scheduler step")
 
 
-def harness_benchmark_args(doc: str, argv=None, requests: int = 500):
+def harness_benchmark_args(doc: str, argv=None, requests: int = 500, clock: bool = False):
     """The flags of the benchmarks that replay a workload through vLLM's Scheduler (the engine
-    harness): the workload's, ``--requests`` defaulting to ``requests``, and ``--repeat``."""
+    harness): the workload's, ``--requests`` defaulting to ``requests``, ``--repeat`` and, with
+    ``clock``, ``--clock``."""
     import argparse
 
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     add_workload_arguments(p)
     p.set_defaults(requests=requests)
     p.add_argument("--repeat", type=int, default=3, help="runs per configuration; the best is reported")
+    if clock:
+        p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                       help="the scheduler thread's CPU time (default) or wall time")
     return p.parse_args(argv)
 
 
@@ -61,6 +69,14 @@ def workload_from_args(args):
     """``(groups, trace)`` for the flags of :func:`add_workload_arguments`."""
     from kvproof.cli.layout_args import parse_group
 
+    if args.trace:
+        from kvproof.cli.presets import PRESETS
+        from kvproof.sim.mooncake import iter_mooncake, to_trace_request
+
+        groups = tuple(parse_group(g) for g in args.group) if args.group else PRESETS["kimi-k3"].groups
+        trace = [to_trace_request(r, arrival=r.timestamp_ms // args.ms_per_step)
+                 for r in iter_mooncake(args.trace, limit=args.requests)]
+        return groups, trace
     groups = tuple(parse_group(g) for g in (args.group or ["full_attention:64", "mamba:64"]))
     trace = shared_prefix_workload(
         args.requests, args.prefixes, args.prefix_len, tuple(args.suffix_len), tuple(args.output_len),

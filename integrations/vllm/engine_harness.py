@@ -121,6 +121,8 @@ class HarnessResult:
     peak_blocks_in_use: int
     #: time inside ``schedule()`` + ``update_from_output()`` only
     scheduler_seconds: float
+    #: the same, in this thread's CPU time (what other processes on a shared machine do not move)
+    scheduler_cpu_seconds: float
     wall_seconds: float
     disagreements: list[str]
 
@@ -303,7 +305,7 @@ class EngineHarness:
         self._records: list[StepRecord] = []
         self._copies = self._preemptions = 0
         self._peak = 0
-        self._scheduler_seconds = 0.0
+        self._scheduler_seconds = self._scheduler_cpu_seconds = 0.0
         self._wall_start: Optional[float] = None
 
     @property
@@ -398,9 +400,10 @@ class EngineHarness:
             t = self._pending.pop(0)
             self._prompt_len[t.id] = len(t.prompt)
             sched.add_request(self._vllm_request(t))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = sched.schedule()
         self._scheduler_seconds += time.perf_counter() - t0
+        self._scheduler_cpu_seconds += time.thread_time() - c0
         in_use = self.num_blocks - 1 - self.kv_cache_manager.block_pool.get_num_free_blocks()
         self._peak = max(self._peak, in_use)
         starts = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
@@ -412,9 +415,10 @@ class EngineHarness:
         for hook in self.hooks:
             hook.scheduled(self, s, out)
         runner_output, no_outputs = self._sample(out)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         engine_outputs = sched.update_from_output(out, runner_output)
         self._scheduler_seconds += time.perf_counter() - t0
+        self._scheduler_cpu_seconds += time.thread_time() - c0
         if no_outputs:
             sched.finish_requests(no_outputs, RequestStatus.FINISHED_ABORTED)
         finished = [o.request_id for outs in engine_outputs.values() for o in outs.outputs if o.finish_reason is not None]
@@ -494,6 +498,7 @@ class EngineHarness:
             evictions=self.evictions,
             peak_blocks_in_use=self._peak,
             scheduler_seconds=self._scheduler_seconds,
+            scheduler_cpu_seconds=self._scheduler_cpu_seconds,
             wall_seconds=wall,
             disagreements=list(self.disagreements),
         )

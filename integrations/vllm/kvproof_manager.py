@@ -274,6 +274,9 @@ class KvproofKVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in specs))
         self._views: dict[str, _RequestView] = {}
         self._allocated: dict[str, _RequestView] = {}  # allocated since the last keying
+        #: ``_allocated`` by first block hash (chained hashes: only requests equal there share a
+        #: prefix), built by a step's first same-step sharing question; None until then.
+        self._sharers: Optional[dict[bytes, dict[str, _RequestView]]] = None
         self._deferred: set[str] = set()  # waiting requests whose admission waited a step already
         self.num_producer_waits = 0  # admissions that waited a step for a prefix being computed
         self._same_step = SameStepKeys(self.manager)  # what this step's chunks will key
@@ -296,6 +299,7 @@ class KvproofKVCacheManager:
             self._key_written(view)
         self.manager.begin_step()
         self._same_step.clear()
+        self._sharers = None
 
     def _key_written(self, view: _RequestView, written: Optional[int] = None, final: bool = False) -> None:
         """Key ``written`` tokens (default: the request's computed minus in-flight ones).
@@ -313,7 +317,8 @@ class KvproofKVCacheManager:
                 written = min(written, hit)
         view.num_computed_tokens = max(0, min(written, request.num_tokens))
         self.manager.cache(view)
-        self._allocated.pop(view.request_id, None)
+        if self._allocated.pop(view.request_id, None) is not None and self._sharers is not None and view.block_hashes:
+            self._sharers.get(view.block_hashes[0], {}).pop(view.request_id, None)
 
     def _blocks_needed(self, request_id: str, num_tokens: int) -> int:
         view = self._views.get(request_id)
@@ -354,14 +359,25 @@ class KvproofKVCacheManager:
         request computes in this step. vLLM sees such a prefix at once (it keys at allocation)
         and stops the sharer's chunk there, so the Mamba state at that junction is kept for the
         next sharer; kvproof keys it only after the step, so it is found from the hashes."""
+        hashes = view.block_hashes
+        if not hashes:
+            return 0
+        if self._sharers is None:
+            self._sharers = {}
+            for other in self._allocated.values():
+                self._note_sharer(other)
         limit = view.num_tokens - 1 if bound is None else min(bound, view.num_tokens - 1)
         shared = 0
-        for other in self._allocated.values():
+        for other in self._sharers.get(hashes[0], {}).values():
             if other.request_id != view.request_id:
-                common = _common_prefix(view.block_hashes, other.block_hashes) * self._hash_block_size
+                common = _common_prefix(hashes, other.block_hashes) * self._hash_block_size
                 shared = max(shared, min(common, other.allocated_to))
         shared = min(shared, limit)
         return shared - shared % self.manager.alignment
+
+    def _note_sharer(self, view: _RequestView) -> None:
+        if view.block_hashes:
+            self._sharers.setdefault(view.block_hashes[0], {})[view.request_id] = view
 
     def get_computed_blocks_for_connector(self, request, max_cache_hit_length=None):
         _refuse_connector("get_computed_blocks_for_connector")
@@ -409,29 +425,38 @@ class KvproofKVCacheManager:
             # settles kvproof's step protocol for the first.
             self._key_written(view)
         running = self.manager.is_running(view)
-        hit = self._hit_of(request, num_new_computed_tokens, new_computed_blocks, running)
-        if view.defer and not running:  # waits a step for the prefix this step computes
-            view.defer = False
-            self._deferred.add(view.request_id)
-            self.num_producer_waits += 1
-            return None
-        start = request.num_computed_tokens if running else hit.num_tokens
+        if running and not num_new_computed_tokens and new_computed_blocks is None:
+            # The decode path: a running request grows from its computed tokens.
+            hit = self.manager.coordinator.miss
+            start = request.num_computed_tokens
+        else:
+            hit = self._hit_of(request, num_new_computed_tokens, new_computed_blocks, running)
+            if view.defer and not running:  # waits a step for the prefix this step computes
+                view.defer = False
+                self._deferred.add(view.request_id)
+                self.num_producer_waits += 1
+                return None
+            start = request.num_computed_tokens if running else hit.num_tokens
         view.num_computed_tokens = start
-        slots = min(start + num_external_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len) - start
-        if slots <= 0:
+        end = min(start + num_external_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        if end <= start:
             _refuse("num_new_tokens (a step adopting a hit with no slot of its own)", num_new_tokens)
-        if not self._admissible(view, request, hit, start + slots, running, full_sequence_must_fit,
-                                has_scheduled_reqs, reserved_blocks):
+        if (reserved_blocks or not running) and not self._admissible(
+                view, request, hit, end, running, full_sequence_must_fit, has_scheduled_reqs, reserved_blocks):
             return None
-        rows = self.manager.reserve_slots(view, slots, None if running else hit)
+        rows = self.manager.reserve_slots(view, end - start, None if running else hit)
         if rows is None:
             return None
         self._allocated[view.request_id] = view
+        if self._sharers is not None:
+            self._note_sharer(view)
         self._deferred.discard(view.request_id)
-        view.allocated_to = min(start + slots, request.num_tokens)
+        view.allocated_to = min(end, request.num_tokens)
         self._same_step.note(view, start, view.allocated_to)
         if num_external_computed_tokens:
             view.external = (start, delay_cache_blocks)
+        if not any(rows):
+            return self.empty_kv_cache_blocks
         new = rows if running else tuple(row[len(bl):] for row, bl in zip(rows, hit.blocks))
         loaded_end = start + num_external_computed_tokens  # a load writes these: not zeroed under it
         for g in self._attention_groups:
@@ -439,8 +464,6 @@ class KvproofKVCacheManager:
             skip_below = loaded_end if g in skip_zeroing_group_ids else 0
             size = self.coordinator.single_type_managers[g].block_size
             self._new_block_ids.extend(b for j, b in enumerate(new[g], start=first) if b and j * size >= skip_below)
-        if not any(rows):
-            return self.empty_kv_cache_blocks
         return KVCacheBlocks(tuple([self._blocks[b] for b in row] for row in rows))
 
     def _hit_of(self, request, num_new_computed_tokens: int, blocks, running: bool) -> Hit:
