@@ -16,7 +16,8 @@ derandomized examples), so a run is repeatable.
 Prints one row per module (mutants generated, run, killed, score) and, with
 ``--list-survivors``, each surviving mutant as ``path:line operator: the line -> the mutated line``.
 ``--sample N`` runs N mutants per module drawn with a fixed seed: an estimate of the score for
-modules too large to run whole on a small machine.
+modules too large to run whole on a small machine. ``--lines 120-180`` keeps the mutants on
+those lines only (one module): the score of one change's code.
 """
 
 from __future__ import annotations
@@ -190,6 +191,17 @@ def run(tests: list[str], timeout: float) -> int:
         time.sleep(0.05)
 
 
+def _line_range(text: str) -> tuple[int, int]:
+    first, _, last = text.partition("-")
+    try:
+        a, b = int(first), int(last or first)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"line range {text!r}: expected A-B, e.g. 120-180") from None
+    if not 1 <= a <= b:
+        raise argparse.ArgumentTypeError(f"line range {text!r}: expected 1 <= A <= B")
+    return a, b
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("modules", nargs="+", help="module paths, e.g. spec/geometry.py impl/block_pool.py")
@@ -199,8 +211,12 @@ def main(argv=None) -> int:
                         help="run N mutants per module drawn at random (seeded): an estimate of the score, for "
                         "modules too large to run whole on a small machine")
     parser.add_argument("--seed", type=int, default=0, help="seed of --sample (default 0)")
+    parser.add_argument("--lines", nargs="+", metavar="A-B", type=_line_range,
+                        help="only mutants on these line ranges (inclusive; one module)")
     parser.add_argument("--list-survivors", action="store_true")
     args = parser.parse_args(argv)
+    if args.lines and len(args.modules) != 1:
+        parser.error("--lines takes one module")
 
     os.environ["HYPOTHESIS_PROFILE"] = "mutation"
     os.chdir(ROOT)
@@ -220,7 +236,7 @@ def main(argv=None) -> int:
             return 2
         timeout = 3 * (time.monotonic() - began) + 10
         name = module_name(path)
-        todo = list(mutants(path))
+        todo = [m for m in mutants(path) if not args.lines or any(a <= m[2] <= b for a, b in args.lines)]
         generated = len(todo)
         if args.sample is not None and args.sample < generated:
             todo = random.Random(f"{args.seed}:{module}").sample(todo, args.sample)

@@ -11,22 +11,20 @@ from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.layout import eagle_unit
 
 
-#: ``partial_keyed`` under ``prompt-tail`` keys once the tail is keyed (or needs no key).
-_NO_TAIL = 1 << 62
-
 
 class AttentionRequest(GroupRequest):
     """A request in an attention group: its row, and how far it is keyed (``full_keyed``: the
     leading blocks that have their full-block keys; ``partial_keyed``: the last hash boundary
-    given a partial key, 0 if none; under ``prompt-tail``, the boundary before the prompt tail
-    while it waits for its key, else ``_NO_TAIL``)."""
+    given a partial key, 0 if none; ``pending_tail``: under ``prompt-tail``, the prompt tail
+    inside a block while it waits for its key, 0 if none)."""
 
-    __slots__ = ("full_keyed", "partial_keyed")
+    __slots__ = ("full_keyed", "partial_keyed", "pending_tail")
 
-    def __init__(self, row: list[int], full_keyed: int, partial_keyed: int) -> None:
+    def __init__(self, row: list[int], full_keyed: int, partial_keyed: int, pending_tail: int = 0) -> None:
         super().__init__(row)
         self.full_keyed = full_keyed
         self.partial_keyed = partial_keyed
+        self.pending_tail = pending_tail
 
 
 class FullAttentionManager(SingleTypeManager):
@@ -134,10 +132,10 @@ class FullAttentionManager(SingleTypeManager):
         # Every-hash keying starts after the hit: the boundaries below it already have keys (on
         # the hit's blocks), and the copy-on-write block's would only duplicate them.
         partial = hit_len if self._every_hash else 0
-        if self._tail_only:  # the boundary before the prompt tail, or none left to key
-            tail = self._prompt_tail(request)
-            partial = tail - self.hash_block_size if tail % self.effective_block_size and tail > hit_len else _NO_TAIL
-        self.requests[rid] = AttentionRequest(table, hit_len // self.effective_block_size, partial)
+        tail = self._prompt_tail(request) if self._tail_only else 0
+        if tail % self.effective_block_size == 0 or tail <= hit_len:
+            tail = 0  # a block end (its full key) or below the hit: no tail key to make
+        self.requests[rid] = AttentionRequest(table, hit_len // self.effective_block_size, partial, tail)
         self._grow(table, total_tokens)
         return list(table)
 
@@ -157,13 +155,13 @@ class FullAttentionManager(SingleTypeManager):
         if self._tail_only:
             # The pending prompt tail (allocate set it), keyed once computed and before its
             # block's full key, which keeps it as a prefix key (vLLM re-attaches it as an alias).
-            tail = partial_done + h
-            if partial_done != _NO_TAIL and tail <= limit:
+            tail = state.pending_tail
+            if tail and tail <= limit:
                 if self.pool.extend_partial(table[tail // b], key_at(hashes, tail, h, self.group_id), tail):
                     self.ledger.keyed.add(table[tail // b])
-                partial_done = _NO_TAIL
+                state.pending_tail = 0
             self._key_full_blocks(request, table, full_done, full, self.pool.extend_full)
-            state.full_keyed, state.partial_keyed = max(full, full_done), partial_done
+            state.full_keyed = max(full, full_done)
             return
         if self._every_hash:
             self._key_every_hash(table, hashes, partial_done, boundary)
@@ -180,9 +178,13 @@ class FullAttentionManager(SingleTypeManager):
     def _next_key(self, state: AttentionRequest) -> int:
         """The least hashed length at which ``key`` has something new to key for this
         request: the end of the first block without its full key or, with partial hits, the
-        hash boundary after the last one keyed. No state change."""
+        hash boundary after the last one keyed (under ``prompt-tail``, the pending tail). No
+        state change."""
         nxt = (state.full_keyed + 1) * self.effective_block_size
-        if self._probe_partial:
+        if self._tail_only:
+            if state.pending_tail:
+                nxt = min(nxt, state.pending_tail)
+        elif self._probe_partial:
             nxt = min(nxt, state.partial_keyed + self.hash_block_size)  # a hash boundary (or 0)
         return nxt
 
