@@ -132,9 +132,11 @@ class FullAttentionManager(SingleTypeManager):
         # Every-hash keying starts after the hit: the boundaries below it already have keys (on
         # the hit's blocks), and the copy-on-write block's would only duplicate them.
         partial = hit_len if self._every_hash else 0
+        # As vLLM, the tail is keyed on the request's own block there, also where the hit
+        # reaches it: a copy-on-write block then holds the key beside the hit's source.
         tail = self._prompt_tail(request) if self._tail_only else 0
-        if tail % self.effective_block_size == 0 or tail <= hit_len:
-            tail = 0  # a block end (its full key) or below the hit: no tail key to make
+        if tail % self.effective_block_size == 0:
+            tail = 0  # a block end: its full key
         self.requests[rid] = AttentionRequest(table, hit_len // self.effective_block_size, partial, tail)
         self._grow(table, total_tokens)
         return list(table)

@@ -90,6 +90,29 @@ def test_prompt_tail_keys_the_tail_a_resend_reaches(eagle, tail):
         assert keys == sorted([8] + ([16] if prompt >= 16 else []) + ([want] if want else []))
 
 
+def test_prompt_tail_keys_a_resends_own_copy_where_its_hit_reaches_the_tail():
+    """A resend hits at the tail (12, inside block 8-16) and appends to a copy of that block;
+    vLLM's ``_cache_partial_tail_block`` keys the copy at 12 too (a second holder of the key).
+    So the tail stays hittable after the first request's block is evicted."""
+    kv = KVCacheManager(resolve_layout(LayoutConfig((CacheGroup(MLA, 8),), max_model_len=512, hash_block_size=2,
+                                                    attention_keys="prompt-tail")), 8)
+    prompt = list(range(100, 114))
+    first = Request("p", prompt, 2)
+    run(kv, first, [14])
+    resend = Request("r", prompt, 2)
+    assert run(kv, resend, [2]) == 12
+    copy = kv.coordinator.managers[0].row("r")[1]
+    assert copy != kv.coordinator.managers[0].row("p")[1] and 12 in [n for _, n in kv.pool.keys_of(copy)]
+    kv.free(first)
+    filler = Request("q", list(range(900, 940)), 2)  # takes every free block, the freed copy source too
+    run(kv, filler, [40])
+    assert kv.num_evictions >= 1 and all(n != 12 for b in kv.coordinator.managers[0].row("q")
+                                         for _, n in kv.pool.keys_of(b))
+    kv.free(filler)
+    assert run(kv, Request("s", prompt, 2), [2]) == 12  # on the resend's copy
+    assert kv.check_state()
+
+
 def test_keys_stop_at_what_was_computed_and_nothing_below_the_hit_is_rekeyed():
     kv = kv_for("every-hash")
     producer = Request("p", list(range(100, 114)), 2)
