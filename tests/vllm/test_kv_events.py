@@ -1,0 +1,227 @@
+"""KV-cache events through vLLM 0.33.0's real Scheduler (``--kv-events-config``), both managers on
+the same streams (integrations/vllm/cache_events.py; docs/vllm.md, "KV-cache events").
+
+What each run's published events are checked against, for either manager:
+
+* replay (INV-EVENTS-REPLAY): ``BlockStored`` adds one holder per hash, ``BlockRemoved`` takes
+  one away and must name a hash with a holder left, ``AllBlocksCleared`` empties everything; at
+  the end of the stream the holders per (hash, group) are exactly the manager's cached blocks
+  per key (vLLM's hash-to-block map; kvproof's pool);
+* the request hashes, recomputed here from the trace with vLLM's hasher: each stored hash names
+  the prefix its event's tokens end, ``block_size`` tokens after its parent's (None at 0);
+* between the two: for a hash both managers stored in an attention group, kvproof's tokens are
+  the last ``block_size`` tokens of vLLM's, and the two events agree exactly (parent, tokens,
+  block size) where both key that group at the same span (H = the block here; under DCP with a
+  finer H, kvproof links one hash unit, vLLM one block). vLLM's Mamba events are left out of
+  the shape check: they list only the kept states' hashes but every token since the group's
+  last cached block.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+pytest.importorskip("vllm")
+
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash, get_group_id, maybe_convert_block_hash  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from kvproof.impl.key_index import KeyIndex  # noqa: E402
+from kvproof.integrations.vllm.engine_harness import EngineHarness  # noqa: E402
+from kvproof.integrations.vllm.kv_specs import kv_cache_config_for  # noqa: E402
+from kvproof.integrations.vllm.kvproof_manager import KvproofKVCacheManager  # noqa: E402
+from kvproof.sim.trace import TraceRequest  # noqa: E402
+from kvproof.spec.contracts import InvariantViolation  # noqa: E402
+from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
+from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
+
+from .traces import conversations  # noqa: E402
+
+FA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA
+ATTENTION = (CacheGroup(FA, 16),)
+HYBRID = (CacheGroup(FA, 16), CacheGroup(MAMBA, 16))
+
+
+def layout_for(groups, dcp=1, hash_block_size=None):
+    return resolve_layout(LayoutConfig(tuple(groups), dcp=dcp, max_model_len=4096, hash_block_size=hash_block_size))
+
+
+def run(layout, trace, manager_class, num_blocks=64, budget=64):
+    """The harness after the whole trace, and every event its manager emitted, oldest first
+    (what the Scheduler published, then what a next step would: the last step's frees)."""
+    h = EngineHarness(layout, num_blocks, max_num_batched_tokens=budget, manager_class=manager_class, kv_events=True)
+    h.run(trace)
+    return h, published(h) + h.kv_cache_manager.take_events()
+
+
+def published(h):
+    return [e for batch in h.kv_event_batches for e in batch.events]
+
+
+def replay(events) -> Counter:
+    """Holders per (hash, group) after ``events``; every removal must name a held hash."""
+    live = Counter()
+    for i, e in enumerate(events):
+        if isinstance(e, AllBlocksCleared):
+            live.clear()
+        elif isinstance(e, BlockStored):
+            live.update((h, e.group_idx) for h in e.block_hashes)
+        else:
+            assert isinstance(e, BlockRemoved) and len(e.block_hashes) == 1, e
+            key = (e.block_hashes[0], e.group_idx)
+            assert live[key] > 0, f"event {i} removes {key}, which no block holds"
+            live[key] -= 1
+    return +live
+
+
+def cached(h, universe) -> Counter:
+    """Cached blocks per (hash, group), read from the manager's own state."""
+    manager = h.kv_cache_manager
+    if isinstance(manager, KvproofKVCacheManager):
+        pool = manager.manager.pool
+        groups = range(len(manager.coordinator.single_type_managers))
+        found = Counter({(maybe_convert_block_hash(raw), g): len(pool.holders((raw, g)))
+                         for raw in universe.raw for g in groups if pool.holders((raw, g))})
+        assert len(found) == pool.num_cached_keys(), "the pool holds keys no trace request hashes to"
+        return found
+    found = Counter()
+    for key, blocks in manager.block_pool.cached_block_hash_to_block._cache.items():
+        found[maybe_convert_block_hash(get_block_hash(key)), get_group_id(key)] += (
+            1 if isinstance(blocks, KVCacheBlock) else len(blocks))
+    return found
+
+
+class Universe:
+    """Every prefix a trace request hashes to (vLLM's hasher at H): event hash -> its tokens."""
+
+    def __init__(self, h, trace):
+        self.prefix, self.raw = {}, set()
+        for t in trace:
+            tokens = list(t.prompt + t.output)
+            request = Request(request_id=t.id, prompt_token_ids=tokens, sampling_params=SamplingParams(max_tokens=1),
+                              pooling_params=None, cache_salt=t.cache_salt, block_hasher=h._block_hasher)
+            unit = h.layout.hash_block_size
+            for i, raw in enumerate(request.block_hashes):
+                self.raw.add(raw)
+                self.prefix[maybe_convert_block_hash(raw)] = tuple(tokens[:(i + 1) * unit])
+
+
+def links(events, universe, groups) -> dict:
+    """(hash, group) -> (parent, tokens, block_size) for each stored hash of ``groups``, checking
+    each against the prefix its hash names (the last stored link per hash: they all agree)."""
+    out = {}
+    for e in events:
+        if not isinstance(e, BlockStored) or e.group_idx not in groups:
+            continue
+        size = e.block_size
+        assert e.block_hashes and len(e.token_ids) == size * len(e.block_hashes), e
+        start = len(universe.prefix[e.block_hashes[0]]) - size
+        assert (e.parent_block_hash is None) == (start == 0), e
+        if start:
+            assert len(universe.prefix[e.parent_block_hash]) == start, e
+        parent = e.parent_block_hash
+        for i, h in enumerate(e.block_hashes):
+            prefix = universe.prefix[h]
+            assert len(prefix) == start + (i + 1) * size, (e, i)
+            tokens = tuple(e.token_ids[i * size:(i + 1) * size])
+            assert prefix[-size:] == tokens, (e, i)
+            link = (parent, tokens, size)
+            assert out.setdefault((h, e.group_idx), link) == link, (e, i)
+            parent = h
+    return out
+
+
+def attention_groups(layout):
+    return {g.index for g in layout.groups if g.group.kind is not MAMBA}
+
+
+def check_stream(layout, trace, **kwargs):
+    """Both managers on ``trace``: each one's events replay to its cache and match the request
+    hashes; kvproof's agree with vLLM's on the hashes both stored. Returns both runs."""
+    runs = {}
+    for name, cls in (("vllm", None), ("kvproof", KvproofKVCacheManager)):
+        h, events = run(layout, trace, cls, **kwargs)
+        universe = Universe(h, trace)
+        assert replay(events) == cached(h, universe), name
+        groups = attention_groups(layout) if cls is None else {g.index for g in layout.groups}
+        runs[name] = (h, events, links(events, universe, groups))
+    ours, theirs = runs["kvproof"][2], runs["vllm"][2]
+    common = [k for k in theirs if k in ours]
+    assert len(common) >= len(theirs) // 2 > 0, (len(common), len(theirs))
+    for k in common:
+        parent, tokens, size = ours[k]
+        assert theirs[k][1][-size:] == tokens, k
+        if size == theirs[k][2]:
+            assert ours[k] == theirs[k], k
+    return runs
+
+
+@pytest.mark.parametrize("groups", [ATTENTION, HYBRID], ids=["attention", "hybrid"])
+@pytest.mark.parametrize("gap", [60, 3], ids=["sequential", "overlapping"])
+def test_events_replay_to_each_managers_cache_and_agree_with_vllms(groups, gap):
+    runs = check_stream(layout_for(groups), conversations(7, num=3, turns=4, gap=gap))
+    ours, theirs = runs["kvproof"][2], runs["vllm"][2]
+    assert all(ours[k] == v for k, v in theirs.items() if k in ours)  # H = block: the same links
+
+
+def test_under_dcp_with_a_finer_hash_unit_kvproof_links_one_hash_unit():
+    layout = layout_for(HYBRID, dcp=2, hash_block_size=16)
+    runs = check_stream(layout, conversations(3, num=3, turns=3, gap=3), budget=128)
+    sizes = {e.block_size for e in runs["kvproof"][1] if isinstance(e, BlockStored)}
+    assert sizes == {16} and {e.block_size for e in runs["vllm"][1] if isinstance(e, BlockStored)} >= {32}
+
+
+@pytest.mark.parametrize("groups", [ATTENTION, HYBRID], ids=["attention", "hybrid"])
+def test_evicted_keys_are_removed_as_their_blocks_are_reused(groups):
+    trace = conversations(11, num=6, turns=3, gap=3)
+    runs = check_stream(layout_for(groups), trace, num_blocks=24)
+    for name, (h, events, _) in runs.items():
+        removed = sum(isinstance(e, BlockRemoved) for e in events)
+        assert h.evictions > 0 and removed >= h.evictions, (name, h.evictions, removed)
+
+
+@pytest.mark.parametrize("manager_class", [None, KvproofKVCacheManager], ids=["vllm", "kvproof"])
+def test_a_reset_publishes_all_blocks_cleared_and_the_cache_starts_over(manager_class):
+    shared = tuple(range(64))
+    first = [TraceRequest("a", shared + (1,), (2,), arrival=1)]
+    h, _ = run(layout_for(ATTENTION), first, manager_class)
+    before = len(published(h))
+    assert h.scheduler.reset_prefix_cache() is True
+    later = [TraceRequest("b", shared + (3,), (4, 5), arrival=h.step_count + 1)]
+    h.add_trace(later)
+    while h.has_unfinished():
+        h.step()
+    events = published(h) + h.kv_cache_manager.take_events()
+    cleared = [i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared)]
+    assert len(cleared) == 1 and cleared[0] >= before
+    assert h.result().num_cached_tokens["b"] == 0  # nothing survived the reset
+    universe = Universe(h, first + later)
+    after = replay(events[cleared[0]:])
+    assert after == cached(h, universe) and len(after) == 4  # b's own 4 blocks of 16
+
+
+def test_events_off_means_a_plain_index_and_none_taken():
+    layout = layout_for(ATTENTION)
+    h, events = run(layout, conversations(7, num=1, turns=2), KvproofKVCacheManager)
+    assert events  # on
+    for kwargs in ({}, {"enable_kv_cache_events": True, "enable_caching": False}):
+        manager = KvproofKVCacheManager(kv_cache_config_for(layout, 64), max_model_len=4096, scheduler_block_size=16,
+                                        hash_block_size=16, **kwargs)
+        assert type(manager.manager.pool._index) is KeyIndex and manager.take_events() == []
+
+
+def test_a_key_attached_outside_a_requests_keying_is_an_invariant_violation():
+    layout = layout_for(ATTENTION)
+    manager = KvproofKVCacheManager(kv_cache_config_for(layout, 64), max_model_len=4096, scheduler_block_size=16,
+                                    hash_block_size=16, enable_kv_cache_events=True)
+    pool = manager.manager.pool
+    (block,) = pool.allocate(1)
+    pool.cache_full(block, (b"h" * 32, 0), 16)
+    with pytest.raises(InvariantViolation, match="INV-EVENTS-REQUEST"):
+        manager.take_events()
