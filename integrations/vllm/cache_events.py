@@ -73,19 +73,9 @@ class CacheEvents:
                 if run is None or run.group_idx != group or run.block_size != span or start != end:
                     mm = 0
                     parent = None if start == 0 else maybe_convert_block_hash(request.block_hashes[start // h - 1])
-                    lora = request.lora_request
-                    run = BlockStored(
-                        block_hashes=[], parent_block_hash=parent, token_ids=[], block_size=span,
-                        lora_id=lora.adapter_id if lora else None, medium=MEDIUM_GPU,
-                        lora_name=lora.name if lora else None, extra_keys=[], group_idx=group,
-                        kv_cache_spec_kind=self._meta[group][0], kv_cache_spec_sliding_window=self._meta[group][1],
-                        session_id=request.session_id,
-                    )
+                    run = self._stored(request, group, span, parent)
                     events.append(run)
-                run.block_hashes.append(maybe_convert_block_hash(block_hash))
-                run.token_ids.extend(request.all_token_ids[start:num_tokens])
-                extra, mm = generate_block_hash_extra_keys(request, start, num_tokens, mm)
-                run.extra_keys.append(extra)
+                mm = self._extend(run, request, block_hash, start, mm)
                 end = num_tokens
                 continue
             if run is not None:
@@ -98,6 +88,42 @@ class CacheEvents:
                 events.append(AllBlocksCleared())
         if run is not None:
             run.extra_keys = to_event_extra_keys(run.extra_keys)
+
+    def reused(self, request, num_tokens: int) -> None:
+        """Mutates. vLLM's ``kv_cache_report_mode="full"`` (a request's ``extra_args``): one
+        ``BlockStored`` per group for the ``num_tokens``-token prefix a lookup hit, from token 0
+        (no parent), at the group's span. A report, not a change: replay ignores it."""
+        self.flush()
+        h = self._h
+        for group, span in enumerate(self._block_span):
+            if num_tokens >= span:
+                event, mm = self._stored(request, group, span, None), 0
+                for n in range(span, num_tokens - num_tokens % span + 1, span):
+                    mm = self._extend(event, request, request.block_hashes[n // h - 1], n - span, mm)
+                event.extra_keys = to_event_extra_keys(event.extra_keys)
+                self._events.append(event)
+
+    def _stored(self, request, group: int, span: int, parent) -> BlockStored:
+        """An empty ``BlockStored`` for ``request``'s blocks of ``span`` tokens in ``group``."""
+        lora = request.lora_request
+        return BlockStored(
+            block_hashes=[], parent_block_hash=parent, token_ids=[], block_size=span,
+            lora_id=lora.adapter_id if lora else None, medium=MEDIUM_GPU,
+            lora_name=lora.name if lora else None, extra_keys=[], group_idx=group,
+            kv_cache_spec_kind=self._meta[group][0], kv_cache_spec_sliding_window=self._meta[group][1],
+            session_id=request.session_id,
+        )
+
+    @staticmethod
+    def _extend(event: BlockStored, request, block_hash: bytes, start: int, mm: int) -> int:
+        """Mutates ``event``. Append the block ``[start, start + block_size)`` named by
+        ``block_hash``; returns the multimodal index reached (``generate_block_hash_extra_keys``)."""
+        end = start + event.block_size
+        event.block_hashes.append(maybe_convert_block_hash(block_hash))
+        event.token_ids.extend(request.all_token_ids[start:end])
+        extra, mm = generate_block_hash_extra_keys(request, start, end, mm)
+        event.extra_keys.append(extra)
+        return mm
 
     def take(self) -> list:
         """Mutates. The events since the last call, oldest first (what is still in the log

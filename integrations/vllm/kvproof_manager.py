@@ -348,6 +348,8 @@ class KvproofKVCacheManager:
             return self.empty_kv_cache_blocks, 0, 0
         view = self._view(request)
         hit = self.manager.lookup(view, bound=max_cache_hit_length)
+        if self._events is not None and hit.num_tokens and getattr(request, "kv_cache_report_mode", None) == "full":
+            self._events.reused(request, hit.num_tokens)
         # A prefix another request computes in this step is keyed once that step ran: vLLM's
         # manager lets the sharer hit it now (attention) or defers it a step (Mamba); kvproof's
         # lets it wait one step, once, so it never caches fewer tokens than vLLM's would.

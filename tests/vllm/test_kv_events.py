@@ -225,3 +225,40 @@ def test_a_key_attached_outside_a_requests_keying_is_an_invariant_violation():
     pool.cache_full(block, (b"h" * 32, 0), 16)
     with pytest.raises(InvariantViolation, match="INV-EVENTS-REQUEST"):
         manager.take_events()
+
+
+def test_a_full_report_request_gets_its_hit_prefix_reported_as_vllm_does():
+    """``kv_cache_report_mode="full"`` (a request's ``extra_args``): the lookup that hits reports
+    the hit's blocks from token 0; kvproof's report equals vLLM's manager's."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(16, sha256)
+    layout = layout_for(ATTENTION)
+
+    def request(rid, prompt, mode="incremental"):
+        params = SamplingParams(max_tokens=1, extra_args={"kv_cache_report_mode": mode})
+        return Request(request_id=rid, prompt_token_ids=list(prompt), sampling_params=params, pooling_params=None,
+                       block_hasher=hasher)
+
+    reports = {}
+    for cls in (KVCacheManager, KvproofKVCacheManager):
+        manager = cls(kv_cache_config_for(layout, 64), max_model_len=4096, scheduler_block_size=16, hash_block_size=16,
+                      enable_kv_cache_events=True)
+        a = request("a", range(65))
+        assert manager.allocate_slots(a, 65) is not None
+        a.num_computed_tokens = 65
+        manager.new_step_starts()  # kvproof keys what the step wrote (vLLM keyed at allocation)
+        stored = manager.take_events()
+        assert [len(e.block_hashes) for e in stored] == [4]
+        quiet = request("quiet", tuple(range(64)) + (7, 8))
+        assert manager.get_computed_blocks(quiet)[1] == 64 and manager.take_events() == []
+        full = request("full", tuple(range(64)) + (9, 9), "full")
+        assert manager.get_computed_blocks(full)[1] == 64
+        (report,) = manager.take_events()
+        assert report.parent_block_hash is None and report.block_hashes == stored[0].block_hashes
+        reports[cls] = (report.block_hashes, report.token_ids, report.block_size, report.group_idx,
+                        report.kv_cache_spec_kind, report.extra_keys)
+    assert reports[KVCacheManager] == reports[KvproofKVCacheManager]
