@@ -48,6 +48,9 @@ asynchronous load is reported received (the runner output's
 ``kv_connector_output.finished_recving``) ``kv_load_steps`` steps after the step that started it
 (1: that step's own output), every synchronous one lands within its step.
 
+``kv_events`` turns KV-cache events on as ``--kv-events-config`` does (``enable_kv_cache_events``),
+with a publisher that keeps each ``KVEventBatch`` the Scheduler publishes (``kv_event_batches``).
+
 This module sets ``VLLM_TARGET_DEVICE=cpu`` unless the variable is already set (vLLM reads it
 when it picks a platform); import it before anything else imports vLLM's platform.
 """

@@ -177,6 +177,18 @@ def test_under_dcp_with_a_finer_hash_unit_kvproof_links_one_hash_unit():
     assert sizes == {16} and {e.block_size for e in runs["vllm"][1] if isinstance(e, BlockStored)} >= {32}
 
 
+def test_with_vllms_rule_set_the_events_link_as_vllms_do(monkeypatch):
+    """``rules=vllm`` keys block ends and the prompt's tail: block-end hashes link one block
+    (32 tokens at DCP 2), the tail one hash unit, as vLLM's full and partial entries do."""
+    monkeypatch.setenv("KVPROOF_OPTIONS", "rules=vllm")
+    layout = layout_for(HYBRID, dcp=2, hash_block_size=16)
+    runs = check_stream(layout, conversations(3, num=3, turns=3, gap=3), budget=128)
+    ours, theirs = runs["kvproof"][2], runs["vllm"][2]
+    assert {k[1] for k in ours} == {0, 1}
+    assert all(ours[k] == v for k, v in theirs.items() if k in ours)
+    assert {size for _, _, size in ours.values()} == {16, 32}
+
+
 @pytest.mark.parametrize("groups", [ATTENTION, HYBRID], ids=["attention", "hybrid"])
 def test_evicted_keys_are_removed_as_their_blocks_are_reused(groups):
     trace = conversations(11, num=6, turns=3, gap=3)
