@@ -92,7 +92,8 @@ class CacheEvents:
     def reused(self, request, num_tokens: int) -> None:
         """Mutates. vLLM's ``kv_cache_report_mode="full"`` (a request's ``extra_args``): one
         ``BlockStored`` per group for the ``num_tokens``-token prefix a lookup hit, from token 0
-        (no parent), at the group's span. A report, not a change: replay ignores it."""
+        (no parent), at the group's span: a report of what is cached, not a change to it (as
+        vLLM's, it repeats hashes stored before)."""
         self.flush()
         h = self._h
         for group, span in enumerate(self._block_span):

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from collections import Counter
 
+import msgspec
 import pytest
 
 pytestmark = pytest.mark.vllm
 
 pytest.importorskip("vllm")
 
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash, get_group_id, maybe_convert_block_hash  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
@@ -147,6 +148,8 @@ def check_stream(layout, trace, **kwargs):
     runs = {}
     for name, cls in (("vllm", None), ("kvproof", KvproofKVCacheManager)):
         h, events = run(layout, trace, cls, **kwargs)
+        for batch in h.kv_event_batches:  # what the zmq publisher sends, read back as a consumer would
+            assert msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=KVEventBatch) == batch
         universe = Universe(h, trace)
         assert replay(events) == cached(h, universe), name
         groups = attention_groups(layout) if cls is None else {g.index for g in layout.groups}
