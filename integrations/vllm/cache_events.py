@@ -59,6 +59,7 @@ class CacheEvents:
         if not records:
             return
         events, h = self._events, self._h
+        started: list[BlockStored] = []
         run: Optional[BlockStored] = None  # the event consecutive keys extend
         end = 0  # the prefix length its last hash names
         mm = 0  # the multimodal item index reached within the run
@@ -75,19 +76,18 @@ class CacheEvents:
                     parent = None if start == 0 else maybe_convert_block_hash(request.block_hashes[start // h - 1])
                     run = self._stored(request, group, span, parent)
                     events.append(run)
+                    started.append(run)
                 mm = self._extend(run, request, block_hash, start, mm)
                 end = num_tokens
                 continue
-            if run is not None:
-                run.extra_keys = to_event_extra_keys(run.extra_keys)
-                run = None
+            run = None
             if kind == REMOVED:
                 events.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(key[0])], medium=MEDIUM_GPU,
                                            group_idx=key[1]))
             elif kind == CLEARED:
                 events.append(AllBlocksCleared())
-        if run is not None:
-            run.extra_keys = to_event_extra_keys(run.extra_keys)
+        for event in started:  # the per-block keys as vLLM publishes them (untagged)
+            event.extra_keys = to_event_extra_keys(event.extra_keys)
 
     def reused(self, request, num_tokens: int) -> None:
         """Mutates. vLLM's ``kv_cache_report_mode="full"`` (a request's ``extra_args``): one

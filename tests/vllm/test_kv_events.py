@@ -19,6 +19,7 @@ What each run's published events are checked against, for either manager:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import msgspec
@@ -114,7 +115,7 @@ class Universe:
 
 
 def links(events, universe, groups) -> dict:
-    """(hash, group) -> (parent, tokens, block_size) for each stored hash of ``groups``, checking
+    """(hash, group) -> (parent, tokens, block_size, extra keys) for each stored hash of ``groups``, checking
     each against the prefix its hash names (the last stored link per hash: they all agree)."""
     out = {}
     for e in events:
@@ -132,7 +133,7 @@ def links(events, universe, groups) -> dict:
             assert len(prefix) == start + (i + 1) * size, (e, i)
             tokens = tuple(e.token_ids[i * size:(i + 1) * size])
             assert prefix[-size:] == tokens, (e, i)
-            link = (parent, tokens, size)
+            link = (parent, tokens, size, e.extra_keys[i])
             assert out.setdefault((h, e.group_idx), link) == link, (e, i)
             parent = h
     return out
@@ -158,19 +159,25 @@ def check_stream(layout, trace, **kwargs):
     common = [k for k in theirs if k in ours]
     assert len(common) >= len(theirs) // 2 > 0, (len(common), len(theirs))
     for k in common:
-        parent, tokens, size = ours[k]
+        parent, tokens, size, _ = ours[k]
         assert theirs[k][1][-size:] == tokens, k
         if size == theirs[k][2]:
             assert ours[k] == theirs[k], k
     return runs
 
 
+def salted(trace):
+    """The trace with every other conversation under a cache salt (vLLM's extra key on block 0)."""
+    return [dataclasses.replace(t, cache_salt="tenant-b" if int(t.id[1:].split("t")[0]) % 2 else None) for t in trace]
+
+
 @pytest.mark.parametrize("groups", [ATTENTION, HYBRID], ids=["attention", "hybrid"])
 @pytest.mark.parametrize("gap", [60, 3], ids=["sequential", "overlapping"])
 def test_events_replay_to_each_managers_cache_and_agree_with_vllms(groups, gap):
-    runs = check_stream(layout_for(groups), conversations(7, num=3, turns=4, gap=gap))
+    runs = check_stream(layout_for(groups), salted(conversations(7, num=3, turns=4, gap=gap)))
     ours, theirs = runs["kvproof"][2], runs["vllm"][2]
     assert all(ours[k] == v for k, v in theirs.items() if k in ours)  # H = block: the same links
+    assert any(link[3] == ("tenant-b",) for link in ours.values())  # the salt, on its first block
 
 
 def test_under_dcp_with_a_finer_hash_unit_kvproof_links_one_hash_unit():
@@ -189,7 +196,7 @@ def test_with_vllms_rule_set_the_events_link_as_vllms_do(monkeypatch):
     ours, theirs = runs["kvproof"][2], runs["vllm"][2]
     assert {k[1] for k in ours} == {0, 1}
     assert all(ours[k] == v for k, v in theirs.items() if k in ours)
-    assert {size for _, _, size in ours.values()} == {16, 32}
+    assert {link[2] for link in ours.values()} == {16, 32}
 
 
 @pytest.mark.parametrize("groups", [ATTENTION, HYBRID], ids=["attention", "hybrid"])
