@@ -249,9 +249,12 @@ def test_a_key_attached_outside_a_requests_keying_is_an_invariant_violation():
         manager.take_events()
 
 
-def test_a_full_report_request_gets_its_hit_prefix_reported_as_vllm_does():
-    """``kv_cache_report_mode="full"`` (a request's ``extra_args``): the lookup that hits reports
-    the hit's blocks from token 0; kvproof's report equals vLLM's manager's."""
+def test_stored_and_full_report_events_equal_vllms_with_lora_and_a_session():
+    """A LoRA request with a session id: kvproof's ``BlockStored`` (after the step) equals vLLM's
+    (at allocation) field for field. ``kv_cache_report_mode="full"`` (a request's
+    ``extra_args``): the lookup that hits reports the hit's blocks from token 0, as vLLM's
+    manager does."""
+    from vllm.lora.request import LoRARequest
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -260,10 +263,12 @@ def test_a_full_report_request_gets_its_hit_prefix_reported_as_vllm_does():
     hasher = get_request_block_hasher(16, sha256)
     layout = layout_for(ATTENTION)
 
+    lora = LoRARequest("adapter-a", 3, "/nowhere")
+
     def request(rid, prompt, mode="incremental"):
         params = SamplingParams(max_tokens=1, extra_args={"kv_cache_report_mode": mode})
         return Request(request_id=rid, prompt_token_ids=list(prompt), sampling_params=params, pooling_params=None,
-                       block_hasher=hasher)
+                       block_hasher=hasher, lora_request=lora, session_id="chat-9")
 
     reports = {}
     for cls in (KVCacheManager, KvproofKVCacheManager):
@@ -281,6 +286,7 @@ def test_a_full_report_request_gets_its_hit_prefix_reported_as_vllm_does():
         assert manager.get_computed_blocks(full)[1] == 64
         (report,) = manager.take_events()
         assert report.parent_block_hash is None and report.block_hashes == stored[0].block_hashes
-        reports[cls] = (report.block_hashes, report.token_ids, report.block_size, report.group_idx,
-                        report.kv_cache_spec_kind, report.extra_keys)
+        reports[cls] = (stored[0], report)
     assert reports[KVCacheManager] == reports[KvproofKVCacheManager]
+    assert reports[KVCacheManager][0].lora_name == "adapter-a" and reports[KVCacheManager][0].session_id == "chat-9"
+    assert reports[KVCacheManager][0].extra_keys == [("adapter-a",)] * 4
