@@ -5,8 +5,8 @@ What each run's published events are checked against, for either manager:
 
 * replay (INV-EVENTS-REPLAY): ``BlockStored`` adds one holder per hash, ``BlockRemoved`` takes
   one away and must name a hash with a holder left, ``AllBlocksCleared`` empties everything; at
-  the end of the stream the holders per (hash, group) are exactly the manager's cached blocks
-  per key (vLLM's hash-to-block map; kvproof's pool);
+  the end of the stream (and, in one test, after every step) the holders per (hash, group) are
+  exactly the manager's cached blocks per key (vLLM's hash-to-block map; kvproof's pool);
 * the request hashes, recomputed here from the trace with vLLM's hasher: each stored hash names
   the prefix its event's tokens end, ``block_size`` tokens after its parent's (None at 0);
 * between the two: for a hash both managers stored in an attention group, kvproof's tokens are
@@ -14,7 +14,9 @@ What each run's published events are checked against, for either manager:
   block size) where both key that group at the same span (H = the block here; under DCP with a
   finer H, kvproof links one hash unit, vLLM one block). vLLM's Mamba events are left out of
   the shape check: they list only the kept states' hashes but every token since the group's
-  last cached block.
+  last cached block. Every published batch also survives the msgpack round trip the zmq
+  publisher makes, and for one LoRA request with a session kvproof's events equal vLLM's field
+  for field.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash, get_group_
 from vllm.v1.request import Request  # noqa: E402
 
 from kvproof.impl.key_index import KeyIndex  # noqa: E402
-from kvproof.integrations.vllm.engine_harness import EngineHarness  # noqa: E402
+from kvproof.integrations.vllm.engine_harness import EngineHarness, StepHook  # noqa: E402
 from kvproof.integrations.vllm.kv_specs import kv_cache_config_for  # noqa: E402
 from kvproof.integrations.vllm.kvproof_manager import KvproofKVCacheManager  # noqa: E402
 from kvproof.sim.trace import TraceRequest  # noqa: E402
@@ -206,6 +208,34 @@ def test_evicted_keys_are_removed_as_their_blocks_are_reused(groups):
     for name, (h, events, _) in runs.items():
         removed = sum(isinstance(e, BlockRemoved) for e in events)
         assert h.evictions > 0 and removed >= h.evictions, (name, h.evictions, removed)
+
+
+class ReplayEveryStep(StepHook):
+    """After every step, the events so far (published, then what the next step would publish:
+    taken here, so the stream is the same, cut at each step) replay to the manager's cache."""
+
+    def __init__(self, universe):
+        self.universe, self.events, self.published, self.steps = universe, [], 0, 0
+
+    def updated(self, harness, record, output, runner_output):
+        fresh = published(harness)[self.published:]
+        self.published += len(fresh)
+        self.events += fresh + harness.kv_cache_manager.take_events()
+        assert replay(self.events) == cached(harness, self.universe), f"step {record.step}"
+        self.steps += 1
+
+
+@pytest.mark.parametrize("groups", [ATTENTION, HYBRID], ids=["attention", "hybrid"])
+@pytest.mark.parametrize("manager_class", [None, KvproofKVCacheManager], ids=["vllm", "kvproof"])
+def test_after_every_step_the_events_replay_to_the_cache(groups, manager_class):
+    trace = salted(conversations(5, num=5, turns=3, gap=3))
+    layout = layout_for(groups)
+    h = EngineHarness(layout, 24, max_num_batched_tokens=64, manager_class=manager_class, kv_events=True)
+    hook = ReplayEveryStep(Universe(h, trace))
+    h.hooks = (hook,)
+    h.run(trace)
+    assert hook.steps == h.step_count and h.evictions > 0
+    assert any(isinstance(e, BlockRemoved) for e in hook.events)
 
 
 @pytest.mark.parametrize("manager_class", [None, KvproofKVCacheManager], ids=["vllm", "kvproof"])
