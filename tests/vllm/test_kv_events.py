@@ -22,6 +22,7 @@ What each run's published events are checked against, for either manager:
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from collections import Counter
 
 import msgspec
@@ -45,6 +46,7 @@ from kvproof.spec.contracts import InvariantViolation  # noqa: E402
 from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
 
+from .test_plugin import _run_fresh  # noqa: E402
 from .traces import conversations  # noqa: E402
 
 FA, MAMBA = GroupKind.FULL_ATTENTION, GroupKind.MAMBA
@@ -320,3 +322,77 @@ def test_stored_and_full_report_events_equal_vllms_with_lora_and_a_session():
     assert reports[KVCacheManager] == reports[KvproofKVCacheManager]
     assert reports[KVCacheManager][0].lora_name == "adapter-a" and reports[KVCacheManager][0].session_id == "chat-9"
     assert reports[KVCacheManager][0].extra_keys == [("adapter-a",)] * 4
+
+
+# --- served: an in-process engine publishing over zmq ------------------------------------------------
+
+_SERVED = textwrap.dedent("""
+    import json, socket, time
+    from collections import Counter
+    import msgspec, zmq
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    from vllm import SamplingParams
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash, get_group_id, maybe_convert_block_hash
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from kvproof.integrations.vllm.tiny_model import tiny_model_dir
+    probe = socket.socket(); probe.bind(("127.0.0.1", 0)); port = probe.getsockname()[1]; probe.close()
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=tiny_model_dir(), skip_tokenizer_init=True, block_size=4, prefix_match_unit=2,
+        num_gpu_blocks_override=48, enable_prefix_caching=True, max_model_len=128, max_num_seqs=16,
+        max_num_batched_tokens=64, kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
+                                                     "endpoint": f"tcp://*:{port}", "topic": "kv"},
+        distributed_executor_backend="kvproof.integrations.vllm.cpu_executor.CpuStagingExecutor"))
+    sub = zmq.Context().socket(zmq.SUB); sub.connect(f"tcp://127.0.0.1:{port}"); sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    time.sleep(1.0)  # PUB/SUB: the subscription must reach the publisher before the first batch
+    manager = engine.engine_core.engine_core.scheduler.kv_cache_manager
+    report = {"manager": type(manager).__name__, "hits": {}}
+    system = list(range(1, 30))
+    turns = [(f"t{i}", system + list(range(100 * i, 100 * i + 7 + i))) for i in range(8)]
+    for rid, prompt in turns:
+        engine.add_request(rid, {"prompt_token_ids": prompt}, SamplingParams(max_tokens=3, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    report["hits"][out.request_id] = out.num_cached_tokens
+    if report["manager"] == "KvproofKVCacheManager":  # every key the pool holds, with its holder count
+        cached = Counter({(maybe_convert_block_hash(raw), g): len(b) for (raw, g), b in manager.manager.pool._index.holders.items()})
+        report["evictions"] = manager.manager.num_evictions
+    else:
+        cached = Counter({(maybe_convert_block_hash(get_block_hash(k)), get_group_id(k)): 1 if isinstance(b, KVCacheBlock) else len(b)
+                          for k, b in manager.block_pool.cached_block_hash_to_block._cache.items()})
+    engine.engine_core.shutdown()  # the publisher sends what it queued, then stops
+    events, seqs = [], []
+    while sub.poll(2000):
+        topic, seq, payload = sub.recv_multipart()
+        seqs.append(int.from_bytes(seq, "big"))
+        events += msgspec.msgpack.decode(payload, type=KVEventBatch).events
+    live, bad = Counter(), 0
+    for e in events:
+        if isinstance(e, AllBlocksCleared):
+            live.clear()
+        elif isinstance(e, BlockStored):
+            live.update((h, e.group_idx) for h in e.block_hashes)
+        else:
+            key = (e.block_hashes[0], e.group_idx); bad += live[key] == 0; live[key] -= 1
+    report.update(batches=len(seqs), contiguous=seqs == list(range(len(seqs))), kinds=dict(Counter(type(e).__name__ for e in events)),
+                  replay_matches=+live == cached, bad_removals=bad, cached_keys=len(cached))
+    print("REPORT " + json.dumps(report))
+""")
+
+
+@pytest.mark.parametrize("manager", ["kvproof", "vllm"])
+def test_served_events_reach_a_zmq_subscriber_and_replay_to_the_cache(manager):
+    """An engine built by vLLM (``LLMEngine``, the staging executor, the plugin), KV-cache events
+    on with vLLM's zmq publisher: eight turns on a shared system prompt in a 48-block pool. A
+    subscriber receives every batch in sequence; replaying them gives the manager's cache at the
+    end, every removal names a held hash, and kvproof's manager hits what vLLM's does."""
+    report = _run_fresh(_SERVED, KVPROOF_MANAGER=manager)
+    assert report["status"] == 0, report["last"]
+    assert report["manager"] == ("KvproofKVCacheManager" if manager == "kvproof" else "KVCacheManager")
+    assert report["batches"] > 0 and report["contiguous"] and report["bad_removals"] == 0
+    assert report["replay_matches"] and report["cached_keys"] > 0
+    assert report["kinds"]["BlockRemoved"] > 0  # the pool reused cached blocks
+    assert report["hits"] == {"t0": 0, "t1": 0, **{f"t{i}": 28 for i in range(2, 8)}}
