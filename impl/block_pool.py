@@ -52,6 +52,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from kvproof.impl.eviction_queue import eviction_queue
 from kvproof.impl.key_index import Key, KeyIndex
+from kvproof.impl.key_log import KeyLog, LoggedKeyIndex
 from kvproof.spec.contracts import CHEAP, SLOW, InvariantViolation, check, ensure, snapshot
 from kvproof.spec.eviction import LRU, parse_policy
 from kvproof.spec.geometry import MAX_NUM_BLOCKS
@@ -122,9 +123,10 @@ class BlockPool:
     __slots__ = ("_num_blocks", "_ref", "_index", "_queue", "_num_free", "num_evictions", "_group", "_occupied")
 
     @ensure(lambda self: self._check(), "INV-POOL-CONSERVE: a new pool is well formed", tier=SLOW)
-    def __init__(self, num_blocks: int, policy: str = LRU) -> None:
+    def __init__(self, num_blocks: int, policy: str = LRU, key_log: Optional[KeyLog] = None) -> None:
         """A pool whose blocks 1..num_blocks-1 start free, in id order (allocated in that order),
-        evicting by ``policy`` (``spec.eviction``: ``lru``, vLLM's, or ``compute``)."""
+        evicting by ``policy`` (``spec.eviction``: ``lru``, vLLM's, or ``compute``). With
+        ``key_log``, every key attached or lost is recorded there (``impl/key_log.py``)."""
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not 1 <= num_blocks <= MAX_NUM_BLOCKS:
             raise ValueError(
                 f"num_blocks {num_blocks!r} must be an int in [1, {MAX_NUM_BLOCKS}] "
@@ -133,7 +135,7 @@ class BlockPool:
         parse_policy(policy)
         self._num_blocks = num_blocks
         self._ref = [0] * num_blocks
-        self._index = KeyIndex(num_blocks)
+        self._index = KeyIndex(num_blocks) if key_log is None else LoggedKeyIndex(num_blocks, key_log)
         self._queue = eviction_queue(policy, num_blocks, self._index.key)
         self._num_free = num_blocks - 1
         #: Cached blocks ``allocate`` has evicted (their key dropped to reuse the block).

@@ -22,6 +22,7 @@ from typing import Iterator, Optional
 from kvproof.impl.block_pool import BlockPool
 from kvproof.impl.coordinator import Hit, HybridCoordinator
 from kvproof.impl.eviction import EvictionValuer
+from kvproof.impl.key_log import KeyLog
 from kvproof.impl.managers import FullAttentionManager, MambaManager
 from kvproof.impl.request import Request
 from kvproof.spec.contracts import InvariantViolation
@@ -30,9 +31,11 @@ from kvproof.spec.layout import Layout
 
 
 class KVCacheManager:
-    def __init__(self, layout: Layout, num_blocks: int, use_eagle: bool = False) -> None:
+    def __init__(self, layout: Layout, num_blocks: int, use_eagle: bool = False, key_log: Optional[KeyLog] = None) -> None:
+        """``key_log``: where the pool records the keys it attaches and drops (a host reporting
+        them, ``impl/key_log.py``); None records nothing."""
         self.layout = layout
-        self.pool = BlockPool(num_blocks, policy=layout.config.eviction)
+        self.pool = BlockPool(num_blocks, policy=layout.config.eviction, key_log=key_log)
         #: The compute policy's valuer (None under lru: releases carry no values).
         self.valuer = EvictionValuer(layout, num_blocks) if layout.config.eviction == COMPUTE else None
         self.coordinator = HybridCoordinator(layout, self.pool, use_eagle=use_eagle, valuer=self.valuer)

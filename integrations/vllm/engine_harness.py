@@ -48,6 +48,9 @@ asynchronous load is reported received (the runner output's
 ``kv_connector_output.finished_recving``) ``kv_load_steps`` steps after the step that started it
 (1: that step's own output), every synchronous one lands within its step.
 
+``kv_events`` turns KV-cache events on as ``--kv-events-config`` does (``enable_kv_cache_events``),
+with a publisher that keeps each ``KVEventBatch`` the Scheduler publishes (``kv_event_batches``).
+
 This module sets ``VLLM_TARGET_DEVICE=cpu`` unless the variable is already set (vLLM reads it
 when it picks a platform); import it before anything else imports vLLM's platform.
 """
@@ -65,6 +68,7 @@ import functools  # noqa: E402
 import time  # noqa: E402
 from typing import Optional, Sequence  # noqa: E402
 
+from vllm.config.kv_events import KVEventsConfig  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
@@ -216,6 +220,19 @@ def _manager_factory(manager_class: Optional[type], **forced):
         scheduler_module.KVCacheManager = original
 
 
+class _RecordingPublisher:
+    """The Scheduler's KV-event publisher, keeping each batch instead of sending it."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches = batches
+
+    def publish(self, batch) -> None:
+        self.batches.append(batch)
+
+    def shutdown(self) -> None:
+        pass
+
+
 class EngineHarness:
     """One vLLM Scheduler over one pool, fed a kvproof trace step by step.
 
@@ -238,6 +255,7 @@ class EngineHarness:
         hooks: Sequence[StepHook] = (),
         kv_transfer_config=None,
         kv_load_steps: int = 1,
+        kv_events: bool = False,
     ) -> None:
         if max_num_seqs is None:
             max_num_seqs = min(256, max_num_batched_tokens)  # vLLM requires seqs <= batched tokens
@@ -265,6 +283,8 @@ class EngineHarness:
             cfg.hash_block_size,
         ))
         self.vllm_config.kv_transfer_config = kv_transfer_config
+        if kv_events:  # --kv-events-config '{"enable_kv_cache_events": true}', published below
+            self.vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
         self.kv_load_steps = kv_load_steps
         self._load_started: dict[str, int] = {}  # request -> the step its asynchronous load started
         cache_config = self.vllm_config.cache_config
@@ -286,6 +306,10 @@ class EngineHarness:
                 block_size=layout.scheduler_block_size,
                 hash_block_size=layout.hash_block_size,
             )
+        #: With ``kv_events``, every ``KVEventBatch`` the Scheduler published, in order.
+        self.kv_event_batches: list = []
+        if kv_events:
+            self.scheduler.kv_event_publisher = _RecordingPublisher(self.kv_event_batches)
         if use_eagle:
             self.scheduler.use_eagle_block_drop = True
         if num_hash_lookahead_tokens:

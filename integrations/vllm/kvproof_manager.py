@@ -33,8 +33,14 @@ per-group divergent hits (``get_computed_blocks_for_connector``) are refused, as
 connectors' use of vLLM's block-pool API beyond ``get_num_free_blocks``, ``get_cached_block`` and
 ``hash_block_size``.
 
-Also refused, naming the argument: encoder tokens (cross-attention), hash lookahead tokens,
-KV-cache events and block-residency metrics. Block objects in the ``KVCacheBlocks`` it returns
+KV-cache events (``enable_kv_cache_events``): the pool records each key it attaches or drops
+(``impl/key_log.py``); every keying turns the new keys into ``BlockStored`` events for its request
+and ``take_events`` hands the Scheduler them with the ``BlockRemoved`` and ``AllBlocksCleared``
+events since (``cache_events.py``; docs/vllm.md, "KV-cache events", says where they differ from
+vLLM's).
+
+Also refused, naming the argument: encoder tokens (cross-attention), hash lookahead tokens
+and block-residency metrics. Block objects in the ``KVCacheBlocks`` it returns
 carry ``block_id`` and ``is_null`` only.
 """
 
@@ -49,9 +55,11 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.stats import PrefixCacheStats
 
 from kvproof.impl.coordinator import Hit
+from kvproof.impl.key_log import KeyLog
 from kvproof.impl.kv_cache_manager import KVCacheManager
 from kvproof.impl.same_step import SameStepKeys
 from kvproof.integrations.vllm import serving_options
+from kvproof.integrations.vllm.cache_events import CacheEvents
 from kvproof.integrations.vllm.kv_specs import group_for_spec
 from kvproof.spec.checkpoints import turn_end_ladder
 from kvproof.spec.layout import LayoutConfig, resolve_layout
@@ -226,7 +234,6 @@ class KvproofKVCacheManager:
             _refuse("num_prefill_lookahead", num_prefill_lookahead)
         for argument, value, served in (
             ("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0),
-            ("enable_kv_cache_events", enable_kv_cache_events, False),
             ("pcp_world_size", pcp_world_size, 1),
             ("metrics_collector", metrics_collector, None),
         ):
@@ -251,11 +258,15 @@ class KvproofKVCacheManager:
         self.enable_caching = enable_caching
         self.log_stats = log_stats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
-        self.manager = KVCacheManager(layout, kv_cache_config.num_blocks, use_eagle=use_eagle)
+        self.enable_kv_cache_events = enable_kv_cache_events
+        # Events only where something is keyed (as vLLM: no caching, no events).
+        key_log = KeyLog() if enable_kv_cache_events and enable_caching else None
+        self.manager = KVCacheManager(layout, kv_cache_config.num_blocks, use_eagle=use_eagle, key_log=key_log)
         self._hash_block_size = hash_block_size
         self._watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self._blocks = [KvproofBlock(i) for i in range(kv_cache_config.num_blocks)]
         specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+        self._events = CacheEvents(layout, specs, key_log) if key_log is not None else None
         self.block_pool = _BlockPoolSurface(self.manager, self._blocks)
         self.coordinator = _CoordinatorSurface(
             tuple(_GroupSurface(g.effective_block_size, spec, self.block_pool) for g, spec in zip(layout.groups, specs)),
@@ -317,6 +328,8 @@ class KvproofKVCacheManager:
                 written = min(written, hit)
         view.num_computed_tokens = max(0, min(written, request.num_tokens))
         self.manager.cache(view)
+        if self._events is not None:
+            self._events.flush(view.request)  # the keys just attached are this request's
         if self._allocated.pop(view.request_id, None) is not None and self._sharers is not None and view.block_hashes:
             self._sharers.get(view.block_hashes[0], {}).pop(view.request_id, None)
 
@@ -340,6 +353,8 @@ class KvproofKVCacheManager:
             return self.empty_kv_cache_blocks, 0, 0
         view = self._view(request)
         hit = self.manager.lookup(view, bound=max_cache_hit_length)
+        if self._events is not None and hit.num_tokens and getattr(request, "kv_cache_report_mode", None) == "full":
+            self._events.reused(request, hit.num_tokens)
         # A prefix another request computes in this step is keyed once that step ran: vLLM's
         # manager lets the sharer hit it now (attention) or defers it a step (Mamba); kvproof's
         # lets it wait one step, once, so it never caches fewer tokens than vLLM's would.
@@ -569,8 +584,8 @@ class KvproofKVCacheManager:
         return {}
 
     def take_events(self) -> list:
-        """Nothing: KV-cache events are refused at construction (``enable_kv_cache_events``)."""
-        return []
+        """The KV-cache events since the last call, oldest first (empty when they are off)."""
+        return self._events.take() if self._events is not None else []
 
     # --- reads ----------------------------------------------------------------------------------
 
@@ -605,7 +620,8 @@ class KvproofKVCacheManager:
         return stats
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every key; False (nothing changed) while any block is held."""
+        """Drop every key (``AllBlocksCleared`` with events on); False (nothing changed) while
+        any block is held."""
         if not self.manager.reset_prefix_cache():
             return False
         if self.log_stats:

@@ -208,7 +208,7 @@ def test_connector_tokens_are_keyed_only_once_vllm_says_they_are_written(delayed
 
 
 @pytest.mark.parametrize("keyword,value", [
-    ("enable_kv_cache_events", True), ("num_hash_lookahead_tokens", 1), ("pcp_world_size", 2),
+    ("num_hash_lookahead_tokens", 1), ("pcp_world_size", 2),
     ("metrics_collector", object()),
 ])
 def test_construction_refuses_what_it_does_not_serve(keyword, value):
