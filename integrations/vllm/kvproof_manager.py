@@ -40,7 +40,7 @@ events since (``cache_events.py``; docs/vllm.md, "KV-cache events", says where t
 vLLM's).
 
 Also refused, naming the argument: encoder tokens (cross-attention), hash lookahead tokens
-and block-residency metrics. Block objects in the ``KVCacheBlocks`` it returns
+over Mamba groups or with KV-cache events, and block-residency metrics. Block objects in the ``KVCacheBlocks`` it returns
 carry ``block_id`` and ``is_null`` only.
 """
 
@@ -232,8 +232,14 @@ class KvproofKVCacheManager:
         # not needed. num_prefill_lookahead above 1 re-prefills an MTP tail kvproof does not model.
         if num_prefill_lookahead > 1:
             _refuse("num_prefill_lookahead", num_prefill_lookahead)
+        # Hash lookahead (vLLM's default with EAGLE/MTP): a block's hash also covers the L tokens
+        # after it and exists only once they do. kvproof keys and looks up vLLM's hashes, so
+        # attention groups need nothing more; vLLM also moves Mamba checkpoints by L and puts the
+        # L tokens in events' token ids, which kvproof does not model.
+        if num_hash_lookahead_tokens and (enable_kv_cache_events or any(
+                isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups)):
+            _refuse("num_hash_lookahead_tokens with Mamba groups or KV-cache events", num_hash_lookahead_tokens)
         for argument, value, served in (
-            ("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0),
             ("pcp_world_size", pcp_world_size, 1),
             ("metrics_collector", metrics_collector, None),
         ):

@@ -25,6 +25,7 @@ from kvproof.integrations.vllm import serving_options  # noqa: E402
 from kvproof.integrations.vllm.engine_harness import EngineHarness  # noqa: E402
 from kvproof.integrations.vllm.kv_specs import kv_cache_config_for  # noqa: E402
 from kvproof.integrations.vllm.kvproof_manager import KvproofKVCacheManager  # noqa: E402
+from kvproof.integrations.vllm.worker_model import OracleHook  # noqa: E402
 from kvproof.sim.trace import TraceRequest  # noqa: E402
 from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
@@ -207,13 +208,39 @@ def test_connector_tokens_are_keyed_only_once_vllm_says_they_are_written(delayed
     assert manager.get_computed_blocks(sibling)[1] == 48
 
 
-@pytest.mark.parametrize("keyword,value", [
-    ("num_hash_lookahead_tokens", 1), ("pcp_world_size", 2),
-    ("metrics_collector", object()),
+@pytest.mark.parametrize("groups,keyword,value", [
+    (HYBRID, "num_hash_lookahead_tokens", 1), (ATTENTION, "pcp_world_size", 2),
+    (ATTENTION, "metrics_collector", object()),
 ])
-def test_construction_refuses_what_it_does_not_serve(keyword, value):
+def test_construction_refuses_what_it_does_not_serve(groups, keyword, value):
     with pytest.raises(NotImplementedError, match=keyword):
-        manager_for(ATTENTION, **{keyword: value})
+        manager_for(groups, **{keyword: value})
+
+
+def test_hash_lookahead_with_kv_cache_events_is_refused():
+    with pytest.raises(NotImplementedError, match="num_hash_lookahead_tokens"):
+        manager_for(ATTENTION, num_hash_lookahead_tokens=1, enable_kv_cache_events=True)
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+@pytest.mark.parametrize("gap", [60, 3], ids=["sequential", "overlapping"])
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_hash_lookahead_on_attention_hits_what_vllm_hits_and_the_oracle_confirms_it(dcp, gap, lookahead):
+    """vLLM 0.33.0's default with EAGLE/MTP: a block's hash also covers the L tokens after it
+    (the drafter's KV at the block's last position reads them) and exists only once they do.
+    kvproof keys and looks up vLLM's own hashes, so on attention groups it serves them as they
+    are: per request never fewer cached tokens than vLLM's manager, and every reused token
+    confirmed by the content oracle."""
+    layout = resolve_layout(LayoutConfig(ATTENTION, dcp=dcp, max_model_len=4096))
+    trace = conversations(11, num=3, turns=4, gap=gap)
+    stock = EngineHarness(layout, 64, max_num_batched_tokens=64, num_hash_lookahead_tokens=lookahead).run(trace)
+    hook = OracleHook(layout)
+    ours = EngineHarness(layout, 64, max_num_batched_tokens=64, num_hash_lookahead_tokens=lookahead,
+                         manager_class=KvproofKVCacheManager, hooks=[hook]).run(trace)
+    assert sum(stock.num_cached_tokens.values()) > 0 and not hook.violations_by_step
+    fewer = {r: (ours.num_cached_tokens[r], n) for r, n in stock.num_cached_tokens.items() if ours.num_cached_tokens[r] < n}
+    assert not fewer, f"fewer cached tokens than vLLM's manager (kvproof, vLLM): {fewer}"
+    assert sum(ours.num_cached_tokens.values()) > 0  # the oracle checked reads of reused blocks
 
 
 def test_a_group_kind_without_a_kvproof_manager_fails_at_start_naming_it():

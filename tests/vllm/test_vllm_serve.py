@@ -234,7 +234,8 @@ def test_vllm_serve_with_kvproofs_manager(dcp, num_chats, turns):
 
 #: MTP speculative decoding with no draft model loaded (the staging executor drafts); vLLM's
 #: default lookahead block hashes off, so vLLM drops the last hash unit of every hit (EAGLE/MTP's
-#: block drop) -- kvproof's manager refuses lookahead hashes at start.
+#: block drop), which this test compares against (kvproof's manager serves lookahead hashes on
+#: attention-only models too: tests/vllm/test_kvproof_manager.py).
 SPECULATIVE = ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2,
                                                    "disable_lookahead_block_hashes": True}))
 
