@@ -232,25 +232,28 @@ def test_vllm_serve_with_kvproofs_manager(dcp, num_chats, turns):
     assert sum(served.values()) > 0
 
 
-#: MTP speculative decoding with no draft model loaded (the staging executor drafts); vLLM's
-#: default lookahead block hashes off, so vLLM drops the last hash unit of every hit (EAGLE/MTP's
-#: block drop), which this test compares against (kvproof's manager serves lookahead hashes on
-#: attention-only models too: tests/vllm/test_kvproof_manager.py).
-SPECULATIVE = ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2,
-                                                   "disable_lookahead_block_hashes": True}))
+#: MTP speculative decoding with no draft model loaded (the staging executor drafts): with
+#: vLLM's default lookahead block hashes, or with them off, so that vLLM drops the last hash unit
+#: of every hit (EAGLE/MTP's block drop).
+def speculative(lookahead: bool) -> tuple[str, str]:
+    config = {"method": "mtp", "num_speculative_tokens": 2}
+    if not lookahead:
+        config["disable_lookahead_block_hashes"] = True
+    return "--speculative-config", json.dumps(config)
 
 
-def test_vllm_serve_speculative_with_kvproofs_manager():
+@pytest.mark.parametrize("lookahead", [False, True], ids=["block drop", "lookahead hashes"])
+def test_vllm_serve_speculative_with_kvproofs_manager(lookahead):
     """MTP drafts (the staging executor proposes them and rejects some by a fixed rule), TP = DCP
     = 2, full attention only (kvproof's manager refuses drafts over Mamba groups): the same
     conversations served with vLLM's manager and with kvproof's. Every read of the forward pass,
     drafts included, is checked by the content oracle (a rejected draft's KV is another prefix's);
     kvproof's manager caches per request exactly what vLLM's does, which is one hash unit short
     of kvproof's own hit without drafts (vLLM's real Scheduler on the same trace): the dropped
-    unit where vLLM drops it."""
+    unit where vLLM drops it. With lookahead hashes (vLLM's default) the same, minus the drop."""
     dcp, results = 2, {}
     for manager in ("vllm", "kvproof"):
-        server = Server(dcp, env={"KVPROOF_MANAGER": manager}, model=ATTENTION_ONLY, args=SPECULATIVE)
+        server = Server(dcp, env={"KVPROOF_MANAGER": manager}, model=ATTENTION_ONLY, args=speculative(lookahead))
         try:
             server.wait_until_up()
             trace, usage, burst = serve_chats(server, chats(dcp, 12, 5))
@@ -272,7 +275,12 @@ def test_vllm_serve_speculative_with_kvproofs_manager():
 
     served = {rid: cached(u) for rid, u in usage.items()}
     stock = {rid: cached(u) for rid, u in results["vllm"][1].items()}
-    assert served == stock
+    assert served == stock and sum(served.values()) > 0
+    if lookahead:
+        print(f"\nDCP {dcp}, MTP drafts, lookahead hashes: {len(trace)} sequential requests, {drafts:.0f} drafts, "
+              f"{accepted:.0f} accepted; cached {sum(served.values())} tokens with either manager; "
+              f"the oracle checked {checked:.0f} tokens")
+        return
     layout = resolve_layout(LayoutConfig((CacheGroup(GroupKind.FULL_ATTENTION, BLOCK),), dcp=dcp, max_model_len=MAX_LEN))
     without_drafts = EngineHarness(layout, NUM_BLOCKS, max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS,
                                    manager_class=KvproofKVCacheManager).run(trace).num_cached_tokens
