@@ -196,11 +196,58 @@ def _check_pool(pool: PoolPlan, dcp: int, kv_bytes: Optional[int]) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """Where a plan is, in the workload's own requests: ``requests`` of ``workload`` is the share
+    of the phase's replays done, as a count of the workload's requests (every configuration
+    replays the whole workload, so 500 of 1,000 is half the phase's work however it is split
+    over configurations and workers)."""
+
+    phase: str
+    requests: int
+    workload: int
+    configs_done: int
+    configs: int
+
+    def text(self) -> str:
+        return (f"{self.phase}: requests {self.requests:,}/{self.workload:,}, "
+                f"{self.configs_done}/{self.configs} configurations done")
+
+
+ProgressCallback = Callable[[Progress], None]
+
+#: The phases, in order: the planned configurations, the diagnoses' remedies, the recommended
+#: configuration at other step times.
+PHASES = ("replaying", "testing remedies", "step-time check")
+
+
+class _Counter:
+    """Finished requests per configuration of one phase, reported as a :class:`Progress`."""
+
+    def __init__(self, phase: str, workload: int, configs: int, progress: Optional[ProgressCallback],
+                 counts=None) -> None:
+        self.phase, self.workload, self.progress = phase, workload, progress
+        self.counts = counts if counts is not None else [0] * configs
+        self.done = 0
+
+    def tick(self, index: int) -> None:
+        self.counts[index] += 1
+        self.report()
+
+    def report(self) -> None:
+        if self.progress is not None:
+            configs = len(self.counts)
+            requests = min(self.workload, sum(self.counts) // configs) if configs else self.workload
+            if self.done == configs:  # a replay stopped by a violation finishes short of the workload
+                requests = self.workload
+            self.progress(Progress(self.phase, requests, self.workload, self.done, configs))
+
+
 # Worker processes inherit the request through fork (the workload's builders are closures).
 _SHARED: dict = {}
 
 
-def _run_task(index: int) -> ConfigReport:
+def _run_task(index: int) -> tuple[int, ConfigReport]:
     req: PlanRequest = _SHARED["request"]
     task: Task = _SHARED["tasks"][index]
     done = _SHARED["progress"]
@@ -208,15 +255,15 @@ def _run_task(index: int) -> ConfigReport:
     def tick() -> None:
         done[index] += 1
 
-    return task.run(req, tick)
+    return index, task.run(req, tick)
 
 
-def run_plan(req: PlanRequest, progress: Optional[Callable[[int, int], None]] = None) -> PlanResult:
-    """Run every configuration; ``progress(done, total)`` is called as requests finish.
+def run_plan(req: PlanRequest, progress: Optional[ProgressCallback] = None) -> PlanResult:
+    """Run every configuration; ``progress`` (a :class:`Progress`) is called as requests finish.
     Raises ValueError / CapacityError for input a configuration cannot serve."""
     started = time.perf_counter()
     layouts, tasks, notes = prepare(req)
-    results = _run_tasks(req, tasks, progress)
+    results = _run_tasks(req, tasks, progress, PHASES[0])
     reports = [r for r, t in zip(results, tasks) if not t.sweep and t.engine == "kvproof" and t.checkpoints is None]
     stock = [r for r, t in zip(results, tasks) if t.engine == STOCK]
     if _stock_is_planned(req):
@@ -236,26 +283,22 @@ def run_plan(req: PlanRequest, progress: Optional[Callable[[int, int], None]] = 
     diagnoses = diagnose(layouts, reports, prompt_lengths, req.options.max_num_seqs, req.memory, reuse)
     diagnoses = _replay_remedies(req, diagnoses, results, tasks, _fine_unit(layouts), progress)
     return PlanResult(
-        req, layouts, reports, sweep, vllm_reports, _recommendation(req, reports, sweep, vllm_reports, stock), diagnoses,
+        req, layouts, reports, sweep, vllm_reports, _recommendation(req, reports, sweep, vllm_reports, stock, progress), diagnoses,
         reuse, time.perf_counter() - started, tasks[0].pool.vllm_groups, reuse_tokens, notes, compared, stock,
     )
 
 
-def _run_tasks(req: PlanRequest, tasks: list[Task], progress) -> list[ConfigReport]:
+def _run_tasks(req: PlanRequest, tasks: list[Task], progress: Optional[ProgressCallback], phase: str) -> list[ConfigReport]:
     """Every task's report, in order, in worker processes when ``req.jobs`` allows."""
-    total = len(tasks) * len(req.workload)
     jobs = max(1, min(req.jobs, len(tasks)))
     if jobs > 1 and "fork" in multiprocessing.get_all_start_methods():
-        return _run_parallel(req, tasks, jobs, total, progress)
-    results, finished = [], 0
-    for t in tasks:
-        def tick() -> None:
-            nonlocal finished
-            finished += 1
-            if progress is not None:
-                progress(finished, total)
-
-        results.append(t.run(req, tick))
+        return _run_parallel(req, tasks, jobs, progress, phase)
+    counter = _Counter(phase, len(req.workload), len(tasks), progress)
+    results = []
+    for i, t in enumerate(tasks):
+        results.append(t.run(req, lambda i=i: counter.tick(i)))
+        counter.done += 1
+        counter.report()
     return results
 
 
@@ -270,7 +313,7 @@ def _replay_remedies(req: PlanRequest, diagnoses: list[Diagnosis], results: list
     if not plans:
         return diagnoses
     trial_tasks = [dataclasses.replace(measured[d.dcp][1], config=remedy.apply(req.base)) for d, remedy in plans]
-    after = _run_tasks(req, trial_tasks, progress)
+    after = _run_tasks(req, trial_tasks, progress, PHASES[1])
     out = []
     for d in diagnoses:
         trials = [remedies.Trial(d, remedy, measured[d.dcp][0], a) for (dd, remedy), a in zip(plans, after) if dd is d]
@@ -281,7 +324,8 @@ def _replay_remedies(req: PlanRequest, diagnoses: list[Diagnosis], results: list
 
 
 def _recommendation(req: PlanRequest, reports: list[ConfigReport], sweep: list[ConfigReport],
-                    served: list[ConfigReport], stock: list[ConfigReport]) -> dict:
+                    served: list[ConfigReport], stock: list[ConfigReport],
+                    progress: Optional[ProgressCallback] = None) -> dict:
     """The recommendation, with the ``vllm serve`` command of its choice, stock vLLM's hit rate
     with the same flags at its DCP size (when it is at the plan's own memory size) and, when the
     plan ran vLLM's Scheduler, what that command measured there beside stock vLLM."""
@@ -290,7 +334,8 @@ def _recommendation(req: PlanRequest, reports: list[ConfigReport], sweep: list[C
     if choice is not None:
         if req.at_step_ms is not None:
             _step_sensitivity(req, out, next(r for r in reports + sweep if r.dcp == choice["dcp"]
-                                             and r.kv_memory_bytes == choice["kv_memory_bytes"] and r.eviction == choice["eviction"]))
+                                             and r.kv_memory_bytes == choice["kv_memory_bytes"] and r.eviction == choice["eviction"]),
+                              progress)
         command = serve_command_for(req, choice["dcp"], choice["eviction"], choice["kv_memory_bytes"])
         out["serve"] = command.text()
         out["not_reproduced"] = list(command.not_reproduced)
@@ -313,15 +358,19 @@ def _recommendation(req: PlanRequest, reports: list[ConfigReport], sweep: list[C
 STEP_FACTORS = (0.5, 2.0)
 
 
-def _step_sensitivity(req: PlanRequest, out: dict, chosen: ConfigReport) -> None:
+def _step_sensitivity(req: PlanRequest, out: dict, chosen: ConfigReport, progress: Optional[ProgressCallback]) -> None:
     """Mutates ``out``. The recommended configuration replayed at half and double the step time
     (``step_ms_sensitivity``); a note when either moves its hit rate by more than a point."""
     pool = _pool_for(req, resolve_layout(dataclasses.replace(req.base, dcp=chosen.dcp)), chosen.kv_memory_bytes)
     base = dataclasses.replace(req.base, eviction=chosen.eviction)
     rates = {}
-    for f in STEP_FACTORS:
+    counter = _Counter(PHASES[2], len(req.workload), len(STEP_FACTORS), progress)
+    for i, f in enumerate(STEP_FACTORS):
         ms = req.step_ms * f
-        rates[ms] = run_config(req.at_step_ms(ms), base, chosen.dcp, pool, chosen.kv_memory_bytes, req.options).hit_rate
+        rates[ms] = run_config(req.at_step_ms(ms), base, chosen.dcp, pool, chosen.kv_memory_bytes, req.options,
+                               lambda i=i: counter.tick(i)).hit_rate
+        counter.done += 1
+        counter.report()
     out["step_ms_sensitivity"] = {f"{ms:g}": round(r, 6) for ms, r in rates.items()}
     if any(abs(r - chosen.hit_rate) > 0.01 for r in rates.values()):
         out.setdefault("notes", []).append(
@@ -363,24 +412,29 @@ def _worker_init() -> None:
         os._exit(1)
 
 
-def _run_parallel(req: PlanRequest, tasks: list[Task], jobs: int, total: int, progress) -> list[ConfigReport]:
+def _run_parallel(req: PlanRequest, tasks: list[Task], jobs: int, progress: Optional[ProgressCallback],
+                  phase: str) -> list[ConfigReport]:
     ctx = multiprocessing.get_context("fork")
     counters = ctx.Array("q", len(tasks), lock=False)
+    counter = _Counter(phase, len(req.workload), len(tasks), progress, counters)
     _SHARED.update(request=req, tasks=tasks, progress=counters)
+    results: list = [None] * len(tasks)
     try:
         with ctx.Pool(jobs, initializer=_worker_init) as pool:
-            pending = pool.map_async(_run_task, range(len(tasks)), chunksize=1)
-            while not pending.ready():
-                pending.wait(0.25)
-                if progress is not None:
-                    progress(sum(counters), total)
-            results = pending.get()
+            finished = pool.imap_unordered(_run_task, range(len(tasks)), chunksize=1)
+            while counter.done < len(tasks):
+                try:
+                    index, report = finished.next(timeout=0.25)
+                except multiprocessing.TimeoutError:
+                    pass
+                else:
+                    results[index] = report
+                    counter.done += 1
+                counter.report()
             pool.close()  # let the workers exit on their own before the pool is torn down
             pool.join()
     finally:
         _SHARED.clear()
-    if progress is not None:
-        progress(total, total)
     return results
 
 
@@ -391,20 +445,31 @@ def default_jobs() -> int:
         return os.cpu_count() or 1
 
 
-def progress_bar(enabled: bool):
-    """A ``progress(done, total)`` callback drawing a tqdm bar on stderr, and its closer; both
-    no-ops when disabled (not a terminal, or --no-progress)."""
+def progress_bar(enabled: bool, file=None):
+    """A ``progress`` callback drawing a tqdm bar on ``file`` (stderr), one per phase, and its
+    closer; both no-ops when disabled (not a terminal, or --no-progress). The bar counts the
+    workload's requests ("replaying: requests 412/1,000, 3/9 configurations done")."""
     if not enabled:
         return None, lambda: None
     from tqdm import tqdm
 
     bar = None
+    phase = None
+    drawn = 0.0
 
-    def update(done: int, total: int) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = tqdm(total=total, unit="req", desc="replaying", leave=False, file=sys.stderr, dynamic_ncols=True)
-        bar.update(done - bar.n)
+    def update(p: Progress) -> None:
+        nonlocal bar, phase, drawn
+        if bar is None or p.phase != phase:
+            close()
+            phase = p.phase
+            bar = tqdm(total=p.workload, leave=False, file=file or sys.stderr, dynamic_ncols=True,
+                       bar_format="{desc} |{bar}| {elapsed}<{remaining}")
+        now = time.monotonic()
+        if now - drawn >= 0.1 or p.configs_done == p.configs:  # called per request: draw at most 10 times a second
+            drawn = now
+            bar.n = p.requests
+            bar.set_description_str(p.text(), refresh=False)
+            bar.refresh()
 
     def close() -> None:
         if bar is not None:
