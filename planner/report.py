@@ -41,6 +41,8 @@ def config_to_json(r: ConfigReport) -> dict:
         out["notes"] = r.notes
     if r.peak_blocks_per_group is not None:
         out["peak_blocks_per_group"] = r.peak_blocks_per_group
+    if r.peak_blocks is not None:
+        out["peak_blocks"] = r.peak_blocks
     return out
 
 
