@@ -13,7 +13,7 @@ import time
 from typing import Callable, Optional
 
 from kvproof.planner import remedies
-from kvproof.planner.diagnose import Diagnosis, diagnose
+from kvproof.planner.diagnose import Diagnosis, auto_raised_blocks, diagnose
 from kvproof.planner.memory import ModelMemory, PoolPlan, gib, plan_pool
 from kvproof.planner.model_config import ModelLayout
 from kvproof.planner.recommend import Deployment, Objective, recommend
@@ -60,6 +60,18 @@ class PlanRequest:
     #: step-time sensitivity; None: not rebuildable (a pipe), so not checked.
     at_step_ms: Optional[Callable[[float], Workload]] = None
     step_ms: float = 50.0
+    #: ``--block-size``: the attention block asked for in ``base`` (None: the layout's own), and
+    #: each other one asked for with its layout, compared with ``base`` at every DCP size.
+    block_size: Optional[int] = None
+    other_blocks: tuple[tuple[int, LayoutConfig], ...] = ()
+
+    @property
+    def block_sizes(self) -> tuple[Optional[int], ...]:
+        return (self.block_size,) + tuple(b for b, _ in self.other_blocks)
+
+    def config_for(self, block_size: Optional[int]) -> LayoutConfig:
+        """The layout planned for a requested block size (``base`` for the first)."""
+        return self.base if block_size == self.block_size else dict(self.other_blocks)[block_size]
 
 
 #: The engine name of kvproof's replay under stock vLLM 0.33.0's rules (``stock_config``).
@@ -78,8 +90,14 @@ class Task:
     config: Optional[LayoutConfig] = None
     #: A checkpoint policy compared with the plan's (None: the plan's own).
     checkpoints: Optional[str] = None
+    #: The requested block size of ``config`` (None: the plan's own, ``req.block_size``).
+    block_size: Optional[int] = None
 
     def run(self, req: "PlanRequest", tick: Callable[[], None]) -> ConfigReport:
+        report = self._run(req, tick)
+        return dataclasses.replace(report, block_size=self.block_size if self.block_size is not None else req.block_size)
+
+    def _run(self, req: "PlanRequest", tick: Callable[[], None]) -> ConfigReport:
         base = dataclasses.replace(self.config or req.base, eviction=self.eviction)
         if self.checkpoints is not None:
             base = dataclasses.replace(base, checkpoints=self.checkpoints)
@@ -153,6 +171,18 @@ def prepare(req: PlanRequest) -> tuple[dict[int, Layout], list[Task], list[str]]
         if "kvproof-vllm" in req.engines:
             tasks += [Task(d, req.kv_memory_bytes, pool, False, "kvproof-vllm", e, checkpoints=c if i else None)
                       for i, c in enumerate(req.checkpoints) for e in req.policies]
+    for b, config in req.other_blocks:  # each other block size at every DCP size, as the plan's own
+        for d in req.dcps:
+            try:
+                pool = _pool_for(req, resolve_layout(dataclasses.replace(config, dcp=d)), req.kv_memory_bytes)
+                _check_pool(pool, d, req.kv_memory_bytes)
+                check_capacity(longest, config, d, pool, req.options)
+            except ValueError as e:
+                raise ValueError(f"--block-size {b}: {e}") from None
+            tasks += [Task(d, req.kv_memory_bytes, pool, False, eviction=e, config=config, block_size=b)
+                      for e in req.policies]
+            if not _stock_is_planned(req):
+                tasks.append(Task(d, req.kv_memory_bytes, pool, False, STOCK, config=config, block_size=b))
     left_out = []
     for kv in req.sweep_bytes:
         for d in req.dcps:
@@ -280,7 +310,15 @@ def run_plan(req: PlanRequest, progress: Optional[ProgressCallback] = None) -> P
         probe = workload_reuse(req.workload, tuple(units))
         reuse, reuse_tokens = probe.fractions, probe.examined_tokens
     prompt_lengths = [e.prompt_len for e in req.workload.entries]
-    diagnoses = diagnose(layouts, reports, prompt_lengths, req.options.max_num_seqs, req.memory, reuse)
+    own = [r for r in reports if r.block_size == req.block_size]  # the diagnoses' remedies replay the plan's own layout
+    diagnoses = diagnose(layouts, own, prompt_lengths, req.options.max_num_seqs, req.memory, reuse)
+    if req.other_blocks:  # name the block size the plan's own auto-raise warning is about
+        diagnoses = [dataclasses.replace(d, message=f"--block-size {req.block_size}: {d.message}")
+                     if d.id == "auto-raised-block-size" else d for d in diagnoses]
+    if req.memory is not None:
+        for b, config in req.other_blocks:
+            diagnoses += [dataclasses.replace(d, message=f"--block-size {b}: {d.message}")
+                          for d in auto_raised_blocks(resolve_layout(config), req.memory, prompt_lengths)]
     diagnoses = _replay_remedies(req, diagnoses, results, tasks, _fine_unit(layouts), progress)
     return PlanResult(
         req, layouts, reports, sweep, vllm_reports, _recommendation(req, reports, sweep, vllm_reports, stock, progress), diagnoses,
@@ -307,7 +345,7 @@ def _replay_remedies(req: PlanRequest, diagnoses: list[Diagnosis], results: list
     """Each diagnosis with remedies, replayed with every candidate at its DCP size in the same pool
     (kvproof's engine, the first eviction policy), its message ending with what they measured."""
     measured = {r.dcp: (r, t) for r, t in zip(results, tasks) if t.engine == "kvproof" and not t.sweep
-                and t.eviction == req.policies[0] and t.checkpoints is None}
+                and t.eviction == req.policies[0] and t.checkpoints is None and t.config is None}
     plans = [(d, remedy) for d in diagnoses if d.dcp in measured
              for remedy in remedies.candidates(d, req.base, fine_unit)]
     if not plans:
@@ -332,20 +370,23 @@ def _recommendation(req: PlanRequest, reports: list[ConfigReport], sweep: list[C
     out = recommend(reports, sweep, req.objective, req.deployment)
     choice = out["choice"]
     if choice is not None:
+        block = choice.get("block_size")
         if req.at_step_ms is not None:
-            _step_sensitivity(req, out, next(r for r in reports + sweep if r.dcp == choice["dcp"]
+            _step_sensitivity(req, out, next(r for r in reports + sweep if r.dcp == choice["dcp"] and r.block_size == block
                                              and r.kv_memory_bytes == choice["kv_memory_bytes"] and r.eviction == choice["eviction"]),
                               progress)
-        command = serve_command_for(req, choice["dcp"], choice["eviction"], choice["kv_memory_bytes"])
+        command = serve_command_for(req, choice["dcp"], choice["eviction"], choice["kv_memory_bytes"], block_size=block)
         out["serve"] = command.text()
         out["not_reproduced"] = list(command.not_reproduced)
-        same_stock = next((r for r in stock if r.dcp == choice["dcp"] and r.kv_memory_bytes == choice["kv_memory_bytes"]),
-                          None)
+        same_stock = next((r for r in stock if r.dcp == choice["dcp"] and r.kv_memory_bytes == choice["kv_memory_bytes"]
+                           and r.block_size == block), None)
         if same_stock is not None:
             out["stock_hit_rate"] = round(same_stock.hit_rate, 6)
-            out["stock_serve"] = serve_command_for(req, choice["dcp"], "lru", choice["kv_memory_bytes"], "vllm").text()
+            out["stock_serve"] = serve_command_for(req, choice["dcp"], "lru", choice["kv_memory_bytes"], "vllm",
+                                                   block_size=block).text()
         same = [r for r in served if r.dcp == choice["dcp"] and r.kv_memory_bytes == choice["kv_memory_bytes"]
-                and r.eviction in (choice["eviction"], "lru") and r.checkpoints == req.base.checkpoints]
+                and r.eviction in (choice["eviction"], "lru") and r.checkpoints == req.base.checkpoints
+                and r.block_size == block]
         engine = "kvproof-vllm" if command.env else "vllm"
         ours = next((r for r in same if r.engine == engine and r.eviction == choice["eviction"]), None)
         stock = next((r for r in same if r.engine == "vllm"), None)
@@ -361,8 +402,9 @@ STEP_FACTORS = (0.5, 2.0)
 def _step_sensitivity(req: PlanRequest, out: dict, chosen: ConfigReport, progress: Optional[ProgressCallback]) -> None:
     """Mutates ``out``. The recommended configuration replayed at half and double the step time
     (``step_ms_sensitivity``); a note when either moves its hit rate by more than a point."""
-    pool = _pool_for(req, resolve_layout(dataclasses.replace(req.base, dcp=chosen.dcp)), chosen.kv_memory_bytes)
-    base = dataclasses.replace(req.base, eviction=chosen.eviction)
+    config = req.config_for(chosen.block_size)
+    pool = _pool_for(req, resolve_layout(dataclasses.replace(config, dcp=chosen.dcp)), chosen.kv_memory_bytes)
+    base = dataclasses.replace(config, eviction=chosen.eviction)
     rates = {}
     counter = _Counter(PHASES[2], len(req.workload), len(STEP_FACTORS), progress)
     for i, f in enumerate(STEP_FACTORS):
@@ -379,14 +421,18 @@ def _step_sensitivity(req: PlanRequest, out: dict, chosen: ConfigReport, progres
 
 
 def serve_command_for(req: PlanRequest, dcp: int, eviction: str, kv_memory_bytes: Optional[int], manager: str = "auto",
-                      checkpoints: Optional[str] = None):
+                      checkpoints: Optional[str] = None, block_size: Optional[int] = None):
     """The ``vllm serve`` command (``serve_command.ServeCommand``) of one planned configuration
-    (``manager`` as ``serve_command`` takes it; ``checkpoints`` None: the plan's policy)."""
-    config = dataclasses.replace(req.base, eviction=eviction, checkpoints=checkpoints or req.base.checkpoints)
+    (``manager`` as ``serve_command`` takes it; ``checkpoints`` None: the plan's policy;
+    ``block_size`` the requested block, None: the plan's own)."""
+    block_size = block_size if block_size is not None else req.block_size
+    base = req.config_for(block_size)
+    config = dataclasses.replace(base, eviction=eviction, checkpoints=checkpoints or base.checkpoints)
     return serve_command(
         stock_config(config) if manager == "vllm" else config, dcp, req.deployment.gpus(dcp), kv_memory_bytes,
         req.options.max_num_batched_tokens, req.options.max_num_seqs, model=req.serve_model,
         block_size_from_model=req.model is not None, eagle=req.options.use_eagle, manager=manager,
+        requested_block_size=block_size if req.model is not None else None,
     )
 
 

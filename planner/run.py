@@ -63,6 +63,8 @@ class ConfigReport:
     #: The most pool blocks all groups held at once (in use or cached), at most the pool; None
     #: where the engine does not say. Not the sum of ``peak_blocks_per_group``.
     peak_blocks: Optional[int] = None
+    #: The attention block asked for with ``--block-size`` (None: the layout's own).
+    block_size: Optional[int] = None
 
     @property
     def hit_rate(self) -> float:
