@@ -312,9 +312,8 @@ def run_plan(req: PlanRequest, progress: Optional[ProgressCallback] = None) -> P
     prompt_lengths = [e.prompt_len for e in req.workload.entries]
     own = [r for r in reports if r.block_size == req.block_size]  # the diagnoses' remedies replay the plan's own layout
     diagnoses = diagnose(layouts, own, prompt_lengths, req.options.max_num_seqs, req.memory, reuse)
-    if req.other_blocks:  # name the block size the plan's own auto-raise warning is about
-        diagnoses = [dataclasses.replace(d, message=f"--block-size {req.block_size}: {d.message}")
-                     if d.id == "auto-raised-block-size" else d for d in diagnoses]
+    if req.other_blocks:  # the diagnoses above are about the plan's own block size: name it
+        diagnoses = [dataclasses.replace(d, message=f"--block-size {req.block_size}: {d.message}") for d in diagnoses]
     if req.memory is not None:
         for b, config in req.other_blocks:
             diagnoses += [dataclasses.replace(d, message=f"--block-size {b}: {d.message}")

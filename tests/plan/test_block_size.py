@@ -80,6 +80,7 @@ def test_without_a_model_the_raise_is_warned_per_block_size(plan_json):
     data = plan_json("--limit", "30", "--dcp", "1", "--block-size", "64,256")
     raised = [d["message"] for d in data["diagnoses"] if d["id"] == "auto-raised-block-size"]
     assert len(raised) == 1 and raised[0].startswith("--block-size 64: group 0 (mla:64): vLLM would raise")
+    assert all(d["message"].startswith(("--block-size 64: ", "--block-size 256: ")) for d in data["diagnoses"])
     assert sorted(c["block_size"] for c in data["configs"]) == [64, 256]
 
 
