@@ -11,7 +11,6 @@ import re
 
 import pytest
 
-from kvproof.cli.main import main
 from kvproof.planner.memory import plan_pool
 from kvproof.planner.model_config import model_layout
 from kvproof.sim.mooncake import iter_mooncake, to_trace_request
