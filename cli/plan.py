@@ -11,7 +11,7 @@ import sys
 from kvproof.cli.errors import EXIT_OK, EXIT_PROPERTY_FAILED, fail_bad_input
 from kvproof.cli.layout_args import add_layout_arguments, layout_config_from_args
 from kvproof.cli.presets import PRESETS, Preset
-from kvproof.planner.model_config import SHIPPED_MODELS
+from kvproof.planner.model_config import DEFAULT_BLOCK_SIZE, SHIPPED_MODELS
 from kvproof.planner.recommend import OBJECTIVES
 from kvproof.cli.values import (
     any_decimal,
@@ -60,6 +60,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_layout_arguments(p, default_preset=DEFAULT_PRESET)
     p.add_argument("--dcp", default=",".join(map(str, DEFAULT_DCPS)), metavar="N[,N...]",
                    help="DCP sizes to compare (default 1,2,4,8)")
+    p.add_argument("--block-size", metavar="N[,N...]",
+                   help="attention block sizes to compare (tokens), each as vllm serve's --block-size: with --model "
+                   "vLLM 0.33.0's raise for hybrid models applied; default the layout's own")
     p.add_argument("--eviction", default=LRU, metavar="POLICY[,POLICY...]",
                    help="eviction policies to compare side by side: lru (default, vLLM's), compute "
                    "(the least prefill compute lost per byte, aged by recency)")
@@ -225,7 +228,50 @@ def _model(args: argparse.Namespace):
     ) if value is not None]
     if given:
         raise ValueError(f"--model gives the layout and the bytes per GPU; drop {', '.join(given)}")
-    return model_layout(args.model, args.tensor_parallel_size if args.tensor_parallel_size is not None else 1)
+    return model_layout(args.model, args.tensor_parallel_size if args.tensor_parallel_size is not None else 1,
+                        _block_sizes(args)[0] if args.block_size is not None else DEFAULT_BLOCK_SIZE)
+
+
+#: The largest block ``--block-size`` takes (tokens): vLLM's blocks are far smaller.
+MAX_BLOCK_SIZE = 1 << 20
+
+
+def _block_sizes(args: argparse.Namespace) -> tuple[int, ...]:
+    return _int_list(args.block_size, "block size", 1, MAX_BLOCK_SIZE)
+
+
+def _with_block_size(base, block: int, model, args: argparse.Namespace):
+    """``base`` with every group's block at ``block`` (a Mamba group's too: in align mode vLLM
+    gives it the attention block), or with ``--model`` at what vLLM makes of ``block``."""
+    import dataclasses
+
+    from kvproof.planner.model_config import model_layout
+
+    if model is None:
+        sizes = [block] * len(base.groups)
+    else:
+        sizes = [g.block_size for g in model_layout(args.model, model.tensor_parallel_size, block).groups]
+    return dataclasses.replace(base, groups=tuple(dataclasses.replace(g, block_size=b) for g, b in zip(base.groups, sizes)))
+
+
+def _block_configs(args: argparse.Namespace, base, model, dcps: tuple[int, ...]):
+    """Each ``--block-size`` value with its layout, every one resolved at every DCP size first
+    (ValueError naming the value). Empty without the flag."""
+    from kvproof.spec.layout import resolve_layout
+    import dataclasses
+
+    if args.block_size is None:
+        return ()
+    out = []
+    for b in _block_sizes(args):
+        config = _with_block_size(base, b, model, args)
+        for d in dcps:
+            try:
+                resolve_layout(dataclasses.replace(config, dcp=d))
+            except ValueError as e:
+                raise ValueError(f"--block-size {b} at DCP {d}: {e}") from None
+        out.append((b, config))
+    return tuple(out)
 
 
 def _tensor_parallel_size(args: argparse.Namespace, model) -> int | None:
@@ -262,6 +308,15 @@ def build_request(args: argparse.Namespace):
     model_preset = None if model is None else Preset(args.model, model.architecture, model.groups, 1, model.max_model_len)
     base = layout_config_from_args(layout_args, allow_partial_hash_hits=not args.no_partial_hash_hits, preset=model_preset)
     resolve_layout(base)
+    blocks = _block_configs(args, base, model, dcps)
+    if blocks:
+        base = blocks[0][1]
+        if len(blocks) > 1:
+            for flag, given in (("--memory-sweep", args.memory_sweep is not None), ("--engine vllm", args.engine == "vllm"),
+                                ("--checkpoints with several policies", len(checkpoints) > 1)):
+                if given:
+                    raise ValueError(f"--block-size {args.block_size}: several block sizes are compared at the stated "
+                                     f"memory with kvproof's engine; drop {flag} or give one block size")
     for name in ("max_num_batched_tokens", "max_num_seqs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
@@ -304,6 +359,8 @@ def build_request(args: argparse.Namespace):
         serve_model=args.model if model is not None and os.path.isdir(args.model) else None,
         sweep_auto=args.memory_sweep == "auto",
         at_step_ms=_rebuild(args, base.max_model_len), step_ms=args.step_ms,
+        block_size=blocks[0][0] if blocks else None,
+        other_blocks=tuple((b, dataclasses.replace(c, dcp=1)) for b, c in blocks[1:]),
     )
 
 

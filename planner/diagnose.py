@@ -117,21 +117,7 @@ def diagnose(
             ))
 
     if memory is not None:
-        # vLLM grows the attention block next to any Mamba page (align or not): one page size.
-        mamba = [g for g in any_layout.groups if g.group.kind is GroupKind.MAMBA]
-        for g in any_layout.groups:
-            if not g.group.kind.is_attention or not mamba:
-                continue
-            raised = vllm_attention_block_size(g.group, memory, memory.bytes_per_state)
-            if raised > g.group.block_size:
-                shorter = sum(1 for p in prompt_lengths if p <= raised)
-                out.append(Diagnosis(
-                    "auto-raised-block-size",
-                    f"group {g.index} ({g.group.label}): vLLM would raise this attention block to {raised:,} tokens so its "
-                    f"page ({memory.bytes_per_token:,} bytes per token) holds a Mamba state of {memory.bytes_per_state:,} "
-                    f"bytes (vllm#40696); then {shorter:,} of {n:,} prompts ({_pct(shorter / n) if n else '0 %'}) are no "
-                    "longer than one block and never hit; the plan above uses the block sizes as given",
-                ))
+        out += auto_raised_blocks(any_layout, memory, prompt_lengths)
 
     if reuse:
         fine = min(reuse)
@@ -146,4 +132,26 @@ def diagnose(
                         f"allows {_pct(reuse[fine])} reuse in {fine}-token steps but only {_pct(reuse[coarse])} in "
                         f"{coarse:,}-token steps: its shared prefixes end between hit boundaries", dcp,
                     ))
+    return out
+
+
+def auto_raised_blocks(layout: Layout, memory: ModelMemory, prompt_lengths: list[int]) -> list[Diagnosis]:
+    """``auto-raised-block-size`` for each attention group of ``layout`` whose block vLLM would
+    grow, next to any Mamba page (align or not: one page size), to hold a Mamba state."""
+    out = []
+    n = len(prompt_lengths)
+    mamba = [g for g in layout.groups if g.group.kind is GroupKind.MAMBA]
+    for g in layout.groups:
+        if not g.group.kind.is_attention or not mamba:
+            continue
+        raised = vllm_attention_block_size(g.group, memory, memory.bytes_per_state)
+        if raised > g.group.block_size:
+            shorter = sum(1 for p in prompt_lengths if p <= raised)
+            out.append(Diagnosis(
+                "auto-raised-block-size",
+                f"group {g.index} ({g.group.label}): vLLM would raise this attention block to {raised:,} tokens so its "
+                f"page ({memory.bytes_per_token:,} bytes per token) holds a Mamba state of {memory.bytes_per_state:,} "
+                f"bytes (vllm#40696); then {shorter:,} of {n:,} prompts ({_pct(shorter / n) if n else '0 %'}) are no "
+                "longer than one block and never hit; the plan above uses the block sizes as given",
+            ))
     return out

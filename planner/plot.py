@@ -33,15 +33,16 @@ def check_destination(path: str) -> None:
 
 def build_figure(reports: list[ConfigReport], sweep: list[ConfigReport], title: str, vllm_reports: list[ConfigReport] = ()):
     """The figure (not saved): axes 'hit rate vs DCP', 'memory vs DCP' and, with a sweep,
-    'hit rate vs KV memory' (one line per DCP size and eviction policy). No state change
-    outside matplotlib."""
+    'hit rate vs KV memory' (one line per DCP size and eviction policy), then the memory
+    panel's right axis (block tables, in MiB) last in ``fig.axes``. Legends sit under their
+    panels. No state change outside matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     from matplotlib.figure import Figure
 
     panels = 3 if sweep else 2
-    fig = Figure(figsize=(5.2 * panels, 4.2), layout="constrained")
+    fig = Figure(figsize=(5.2 * panels, 5.0), layout="constrained")
     axes = fig.subplots(1, panels)
     policies = list(dict.fromkeys(r.eviction for r in reports))
     several = len(policies) > 1
@@ -57,26 +58,27 @@ def build_figure(reports: list[ConfigReport], sweep: list[ConfigReport], title: 
     if vllm_reports:
         theirs = sorted(vllm_reports, key=lambda r: r.dcp)
         ax.plot([r.dcp for r in theirs], [100 * r.hit_rate for r in theirs], "x:", label="vLLM 0.33.0")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(dcps, [str(d) for d in dcps])
-    ax.set_xlabel("DCP size")
+    _dcp_axis(ax, dcps)
     ax.set_ylabel("prompt tokens from the prefix cache (%)")
     ax.set_title("hit rate vs DCP size")
     ax.set_ylim(bottom=0)
-    ax.legend()
+    _legend_below(ax)
 
     ax = axes[1]
     ax.plot(dcps, [gib(r.num_blocks * r.block_bytes) for r in runs], "o-", label="KV pool")
-    if all(r.peak_blocks_per_group is not None for r in runs):
-        ax.plot(dcps, [gib(sum(r.peak_blocks_per_group or ()) * r.block_bytes) for r in runs], "^-", label="peak KV in use")
-    ax.plot(dcps, [gib(sum(r.table_bytes_per_group)) for r in runs], "s--", label="block tables")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(dcps, [str(d) for d in dcps])
-    ax.set_xlabel("DCP size")
+    if all(r.peak_blocks is not None for r in runs):  # all groups at once: never above the pool
+        ax.plot(dcps, [gib(r.peak_blocks * r.block_bytes) for r in runs], "^-", label="peak KV held (in use or cached)")
+    _dcp_axis(ax, dcps)
     ax.set_ylabel("GiB per GPU")
     ax.set_title("memory vs DCP size")
-    ax.set_ylim(bottom=0)
-    ax.legend()
+    ax.set_ylim(0, 1.15 * max(gib(r.num_blocks * r.block_bytes) for r in runs))  # the pool line clear of the frame
+    # The block tables are MiB beside a pool of GiB: on the pool's axis they would sit at 0.
+    tables = ax.twinx()
+    table_mib = [sum(r.table_bytes_per_group) / 2**20 for r in runs]
+    tables.plot(dcps, table_mib, "s--", color="C2", label="block tables (right axis)")
+    tables.set_ylabel("block tables, MiB per GPU")
+    tables.set_ylim(0, 1.15 * max(table_mib) or 1)
+    _legend_below(ax, tables)
 
     if sweep:
         ax = axes[2]
@@ -86,14 +88,41 @@ def build_figure(reports: list[ConfigReport], sweep: list[ConfigReport], title: 
                 points = sorted((r for r in sweep if r.dcp == dcp and r.eviction == policy), key=lambda r: r.kv_memory_bytes or 0)
                 ax.plot([gib(r.kv_memory_bytes or 0) for r in points], [100 * r.hit_rate for r in points], styles[j % len(styles)],
                         color=f"C{i}", label=f"DCP {dcp}" + (f", {policy}" if several else ""))
+        sizes = sorted({gib(r.kv_memory_bytes) for r in sweep if r.kv_memory_bytes is not None})
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [f"{s:.3g}" for s in sizes])  # the swept sizes, not powers of two
+        ax.xaxis.set_minor_locator(_null_locator())
         ax.set_xlabel("KV memory per GPU (GiB)")
         ax.set_ylabel("prompt tokens from the prefix cache (%)")
         ax.set_title("hit rate vs KV memory")
         ax.set_ylim(bottom=0)
-        ax.legend()
+        _legend_below(ax)
     fig.suptitle(title, fontsize="medium")
     return fig
+
+
+def _dcp_axis(ax, dcps: list[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(dcps, [str(d) for d in dcps])
+    ax.xaxis.set_minor_locator(_null_locator())
+    ax.set_xlabel("DCP size")
+
+
+def _legend_below(ax, *more) -> None:
+    """The legend under the axes, outside them, so it never covers a curve."""
+    handles, labels = [], []
+    for a in (ax, *more):
+        h, lab = a.get_legend_handles_labels()
+        handles += h
+        labels += lab
+    ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2, fontsize="small",
+              frameon=False)
+
+
+def _null_locator():
+    from matplotlib.ticker import NullLocator
+
+    return NullLocator()
 
 
 #: The temporary file beside the plot: ``.kvproof-plot-<owner>-XXXXXXXX.png`` (kvproof.leftovers).

@@ -86,14 +86,20 @@ def _memory(r: ConfigReport) -> float:
     return gib(r.kv_memory_bytes if r.kv_memory_bytes is not None else r.num_blocks * r.block_bytes)
 
 
-def _name(r: ConfigReport, several_policies: bool) -> str:
-    return f"DCP {r.dcp}" + (f" (eviction {r.eviction})" if several_policies else "")
+def _name(r: ConfigReport, several_policies: bool, several_blocks: bool = False) -> str:
+    return (f"DCP {r.dcp}" + (f" block {r.block_size}" if several_blocks else "")
+            + (f" (eviction {r.eviction})" if several_policies else ""))
+
+
+def _line(r: ConfigReport) -> tuple:
+    """What names a configuration apart from its memory size."""
+    return r.dcp, r.eviction, r.block_size or 0
 
 
 def _still_rising(r: ConfigReport, sweep: list[ConfigReport]) -> bool:
     """Whether ``r`` is at the largest memory its DCP size and policy tried, with the rate still
     climbing by more than KNEE_POINTS from the size below."""
-    line = sorted((p for p in sweep if (p.dcp, p.eviction) == (r.dcp, r.eviction) and not p.violations), key=_memory)
+    line = sorted((p for p in sweep if _line(p) == _line(r) and not p.violations), key=_memory)
     return len(line) > 1 and line[-1] is r and r.hit_rate - line[-2].hit_rate > KNEE_POINTS
 
 
@@ -108,6 +114,7 @@ def recommend(reports: list[ConfigReport], sweep: list[ConfigReport], objective:
     points = sweep or reports
     clean = [r for r in points if not r.violations and deployment.servable(r.dcp)]
     several = len({r.eviction for r in points}) > 1
+    blocks = len({r.block_size for r in points}) > 1
     out: dict = {"objective": objective.label()}
     if not clean:
         why = "no configuration ran cleanly" if all(r.violations for r in points) else (
@@ -121,18 +128,18 @@ def recommend(reports: list[ConfigReport], sweep: list[ConfigReport], objective:
         if _still_rising(choice, sweep):
             notes.append(f"still rising at {_memory(choice):.4g} GiB per GPU, the largest tried: sweep larger sizes")
         elif sweep:
-            line = sorted((p for p in clean if (p.dcp, p.eviction) == (choice.dcp, choice.eviction)), key=_memory)
+            line = sorted((p for p in clean if _line(p) == _line(choice)), key=_memory)
             knee = next(p for p in line if p.hit_rate >= choice.hit_rate - KNEE_POINTS)
             if knee is not choice:
                 notes.append(f"{_memory(knee):.4g} GiB per GPU is within a point ({_pct(knee.hit_rate)})")
-        rivals: dict[tuple[int, str], ConfigReport] = {}
+        rivals: dict[tuple, ConfigReport] = {}
         for r in clean:
-            key = (r.dcp, r.eviction)
-            if key != (choice.dcp, choice.eviction) and choice.hit_rate - r.hit_rate <= KNEE_POINTS:
+            key = _line(r)
+            if key != _line(choice) and choice.hit_rate - r.hit_rate <= KNEE_POINTS:
                 rivals[key] = _best([rivals[key], r]) if key in rivals else r
         if rivals:
             notes.append("as good within a point: " + ", ".join(
-                f"{_name(r, several)} {_pct(r.hit_rate)}" + (f" at {_memory(r):.4g} GiB" if sweep else "")
+                f"{_name(r, several, blocks)} {_pct(r.hit_rate)}" + (f" at {_memory(r):.4g} GiB" if sweep else "")
                 for _, r in sorted(rivals.items())))
     elif objective.name == "per-gpu":
         def per_gib(r: ConfigReport) -> float:
@@ -146,7 +153,7 @@ def recommend(reports: list[ConfigReport], sweep: list[ConfigReport], objective:
         if not reach:
             best = _best(clean)
             return {**out, "choice": None,
-                    "text": f"no configuration reaches {_pct(objective.target)}; the best is {_name(best, several)} at "
+                    "text": f"no configuration reaches {_pct(objective.target)}; the best is {_name(best, several, blocks)} at "
                     f"{_memory(best):.4g} GiB per GPU, {_pct(best.hit_rate)}"}
         choice = min(reach, key=lambda r: (_memory(r) * deployment.gpus(r.dcp), r.dcp))
         if _still_rising(choice, sweep):
@@ -156,7 +163,9 @@ def recommend(reports: list[ConfigReport], sweep: list[ConfigReport], objective:
         "dcp": choice.dcp, "eviction": choice.eviction, "kv_memory_gib": round(_memory(choice), 4),
         "kv_memory_bytes": choice.kv_memory_bytes, "hit_rate": round(choice.hit_rate, 6), "gpus": gpus,
     }
-    out["head"] = (f"{objective.label()}: {_name(choice, several)} on {gpus} GPU{'s' * (gpus > 1)}, "
+    if choice.block_size is not None:
+        out["choice"]["block_size"] = choice.block_size
+    out["head"] = (f"{objective.label()}: {_name(choice, several, blocks)} on {gpus} GPU{'s' * (gpus > 1)}, "
                    f"{_memory(choice):.4g} GiB KV per GPU, {_pct(choice.hit_rate)} hit rate")
     out["notes"] = notes
     out["text"] = out["head"] + "".join(f"; {n}" for n in notes)

@@ -3,6 +3,8 @@ and the diagnoses."""
 
 from __future__ import annotations
 
+import textwrap
+
 from kvproof.planner.memory import gib
 from kvproof.planner.plan import PlanResult, serve_command_for
 from kvproof.planner.run import ConfigReport
@@ -41,6 +43,10 @@ def config_to_json(r: ConfigReport) -> dict:
         out["notes"] = r.notes
     if r.peak_blocks_per_group is not None:
         out["peak_blocks_per_group"] = r.peak_blocks_per_group
+    if r.peak_blocks is not None:
+        out["peak_blocks"] = r.peak_blocks
+    if r.block_size is not None:
+        out["block_size"] = r.block_size
     return out
 
 
@@ -94,16 +100,18 @@ def _row_command(result: PlanResult, r: ConfigReport) -> str:
     """The ``vllm serve`` command that reproduces row ``r``: stock vLLM's for the stock rows and
     vLLM's own engine, kvproof's manager inside vLLM for the others."""
     manager = "vllm" if r.engine in ("vllm", "stock") else "kvproof"
-    return serve_command_for(result.request, r.dcp, r.eviction, r.kv_memory_bytes, manager, r.checkpoints).text()
+    return serve_command_for(result.request, r.dcp, r.eviction, r.kv_memory_bytes, manager, r.checkpoints,
+                             r.block_size).text()
 
 
 def _engine_rows(result: PlanResult) -> list[ConfigReport]:
-    """Every row of the main table, by DCP size, then engine (``ENGINE_LEGEND``'s order), then
-    eviction policy."""
+    """Every row of the main table, by block size (``--block-size``'s order), DCP size, then engine
+    (``ENGINE_LEGEND``'s order), then eviction policy."""
     policies, checkpoints = result.request.policies, result.request.checkpoints
+    blocks = result.request.block_sizes
     order = list(ENGINE_LEGEND)
     return sorted(result.reports + result.stock_reports + result.vllm_reports,
-                  key=lambda r: (r.dcp, order.index(r.engine), policies.index(r.eviction) if r.eviction in policies else 0,
+                  key=lambda r: (blocks.index(r.block_size), r.dcp, order.index(r.engine), policies.index(r.eviction) if r.eviction in policies else 0,
                                  checkpoints.index(r.checkpoints) if r.checkpoints in checkpoints else 0))
 
 
@@ -125,6 +133,26 @@ def _engine_lines(result: PlanResult) -> list[str]:
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _by_block(result: PlanResult, rows: list[list[str]], reports: list[ConfigReport]) -> str:
+    """``rows`` (a header, then one row per report) as one table; with several block sizes each
+    block size's rows under a line naming it and its layout (a column would not fit 100)."""
+    req = result.request
+    lines = _table(rows).split("\n")
+    if len(req.block_sizes) < 2:
+        return "\n".join(lines)
+    out, last = lines[:1], object()
+    for line, r in zip(lines[1:], reports):
+        if r.block_size != last:
+            last = r.block_size
+            out.append(f"--block-size {r.block_size} ({_labels(req.config_for(r.block_size))}):")
+        out.append(line)
+    return "\n".join(out)
+
+
+def _labels(config) -> str:
+    return ", ".join(g.label for g in config.groups)
 
 
 def _group_names(layout) -> list[str]:
@@ -202,10 +230,17 @@ def plan_to_text(result: PlanResult) -> str:
         f"run: budget {req.options.max_num_batched_tokens:,} tokens/step"
         + (" with the content oracle" if req.options.oracle else ""),
     ]
-    if result.reports and result.reports[0].block_bytes:
-        r0 = result.reports[0]
+    blocks = req.block_sizes
+    if len(blocks) > 1:
+        lines.append("block sizes compared: " + "; ".join(f"{b} ({_labels(req.config_for(b))})" for b in blocks))
+    for i, b in enumerate(blocks):
+        r0 = next((r for r in result.reports if r.block_size == b), None)
+        if r0 is None or not r0.block_bytes:
+            continue
         mem = f"{gib(r0.kv_memory_bytes):.4g} GiB per GPU -> " if r0.kv_memory_bytes is not None else ""
-        lines.append(f"pool: {mem}{r0.num_blocks:,} blocks of {_mib(r0.block_bytes)} MiB (as vLLM's KV planner sizes it)")
+        at = f" at --block-size {b}" if len(blocks) > 1 else ""
+        lines.append(f"{'      ' if i else 'pool: '}{mem}{r0.num_blocks:,} blocks of {_mib(r0.block_bytes)} MiB{at}"
+                     + ("" if i else " (as vLLM's KV planner sizes it)"))
     several = len(req.policies) > 1
     served_policies = len({r.checkpoints for r in result.vllm_reports}) > 1
     by_dcp = _engine_rows(result)
@@ -221,7 +256,7 @@ def plan_to_text(result: PlanResult) -> str:
             f"{r.requests_with_hit:,}/{r.requests:,}", f"{r.prefill_tokens:,}", f"{r.cow_copies:,}",
             f"{r.evictions:,}", f"{r.preemptions:,}", str(len(r.violations)),
         ])
-    lines += ["", _table(rows)]
+    lines += ["", _by_block(result, rows, by_dcp)]
     if result.checkpoint_reports:
         lines += ["", "checkpoint policies (kvproof's engine; hybrid hit rate against attention alone in the same run, "
                   f"and against the first policy, {req.checkpoints[0]}):", _table(_checkpoint_rows(result, several))]
@@ -229,7 +264,8 @@ def plan_to_text(result: PlanResult) -> str:
         lines += ["", "checkpoint policies in vLLM's Scheduler (kvproof's manager, KVPROOF_MANAGER=kvproof; against "
                   f"the first policy, {req.checkpoints[0]}, and stock vLLM's Scheduler and manager in the same run):",
                   _table(_served_checkpoint_rows(result, several))]
-    lines += ["engines, and the command of each one's first row (the others differ in the DCP size):"]
+    lines += ["engines, and the command of each one's first row (the others differ in the "
+              + ("DCP and block size" if len(blocks) > 1 else "DCP size") + "):"]
     lines += _engine_lines(result)
     # Per group (named by kind): the most blocks held at once, and the block tables on one GPU.
     names = _group_names(base)
@@ -239,12 +275,17 @@ def plan_to_text(result: PlanResult) -> str:
         peaks = [f"{b:,}" for b in r.peak_blocks_per_group] if r.peak_blocks_per_group else ["-"] * len(names)
         rows.append(first(r) + (peaks if has_peak else []) + [f"{_mib(b)} MiB" for b in r.table_bytes_per_group]
                     + [f"{r.largest_request:,}"])
-    lines += ["", "per GPU: peak blocks held and block tables, per group; the longest request that fits:", _table(rows)]
+    lines += ["", "per GPU: peak blocks held and block tables, per group; the longest request that fits:",
+              _by_block(result, rows, by_dcp)]
     warm = [r for r in result.reports if r.halves is not None]
     if warm:
-        lines += ["", "warm-up, hit rate of the first and second half of the requests (a cold cache shows first):",
-                  "  " + ", ".join(f"DCP {r.dcp}" + (f" {r.eviction}" if several else "")
-                                   + f" {100 * r.halves[0]:.1f} -> {100 * r.halves[1]:.1f} %" for r in warm)]
+        lines += ["", "warm-up, hit rate of the first and second half of the requests (a cold cache shows first):"]
+        for b in blocks:  # one line per block size
+            mine = sorted((r for r in warm if r.block_size == b), key=lambda r: r.dcp)
+            if mine:
+                lines.append(("  " if len(blocks) < 2 else f"  block {b}: ") + ", ".join(
+                    f"DCP {r.dcp}" + (f" {r.eviction}" if several else "")
+                    + f" {100 * r.halves[0]:.1f} -> {100 * r.halves[1]:.1f} %" for r in mine))
     notes = sorted({f"vLLM at DCP {r.dcp}: {n}" for r in result.vllm_reports for n in r.notes})
     lines += [f"note: {n}" for n in notes]
     if result.sweep:
@@ -267,7 +308,7 @@ def plan_to_text(result: PlanResult) -> str:
             f"{100 * f:.1f} % in {u:,}-token steps" for u, f in sorted(result.reuse.items()))]
     rec = result.recommendation
     lines += [""] + result.notes + [f"recommendation: {rec.get('head', rec['text'])}"]
-    lines += [f"  {n}" for n in rec.get("notes", ())]
+    lines += [line for n in rec.get("notes", ()) for line in textwrap.wrap(n, 98, initial_indent="  ", subsequent_indent="    ")]
     if "serve" in rec:
         lines.append(f"  {rec['serve']}")
         if "stock_hit_rate" in rec:

@@ -60,6 +60,11 @@ class ConfigReport:
     #: Hit rate of the requests arriving before the middle request, and of the rest: a cold
     #: cache shows as a lower first half (None where the engine does not say).
     halves: Optional[tuple[float, float]] = None
+    #: The most pool blocks all groups held at once (in use or cached), at most the pool; None
+    #: where the engine does not say. Not the sum of ``peak_blocks_per_group``.
+    peak_blocks: Optional[int] = None
+    #: The attention block asked for with ``--block-size`` (None: the layout's own).
+    block_size: Optional[int] = None
 
     @property
     def hit_rate(self) -> float:
@@ -185,6 +190,7 @@ def run_config(
         eviction=base.eviction,
         checkpoints=base.checkpoints,
         halves=tuple(c / n if n else 0.0 for c, n in halves),
+        peak_blocks=result.peak_blocks,
     )
 
 

@@ -82,9 +82,11 @@ def serve_command(
     block_size_from_model: bool = False,
     eagle: bool = False,
     manager: str = "auto",
+    requested_block_size: Optional[int] = None,
 ) -> ServeCommand:
     """``config`` at ``dcp`` on ``tensor_parallel_size`` GPUs. ``block_size_from_model``: the
-    layout's block sizes are the ones vLLM derives from the model itself, so no ``--block-size``.
+    layout's block sizes are the ones vLLM derives from the model itself, so no ``--block-size``
+    unless ``requested_block_size`` says which one was asked for (vLLM raises it as the layout did).
     ``manager``: "vllm" (vLLM's own: kvproof's rules in ``config`` not reproduced), "kvproof", or
     "auto" (kvproof's where ``config`` has rules stock vLLM lacks)."""
     if manager not in MANAGERS:
@@ -101,6 +103,8 @@ def serve_command(
     mamba = [g for g in config.groups if g.kind is GroupKind.MAMBA]
     if attention and not block_size_from_model:
         argv += ["--block-size", str(attention[0].block_size)]
+    elif attention and requested_block_size is not None:
+        argv += ["--block-size", str(requested_block_size)]
     if mamba:
         if any(g.mamba_cache_mode is MambaCacheMode.NONE for g in mamba):
             argv += ["--no-enable-prefix-caching"]

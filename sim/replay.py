@@ -61,6 +61,9 @@ class ReplayResult:
     #: evicted), measured after each step's allocations: what the group's memory must hold.
     #: Retention trades this against hits (a Mamba state block is large).
     peak_blocks_per_group: tuple[int, ...] = ()
+    #: The most blocks all groups occupied together at once, measured as the per-group peaks
+    #: are: at most the pool (the per-group peaks need not coincide, so their sum may exceed it).
+    peak_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -119,6 +122,7 @@ def replay(
     result = ReplayResult([], 0, 0, 0, 0, [])
     outcomes: dict[int, RequestOutcome] = {}
     peak = [0] * len(layout.groups)
+    peak_total = 0
     live: dict[str, tuple[int, Request]] = {}  # request id -> (trace index, request), until finished
 
     def record(index: int, req: Request) -> None:
@@ -165,9 +169,11 @@ def replay(
                     )
                 plan = sched.schedule()
                 result.steps_run += 1
-                for g, blocks in enumerate(kv.occupancy()):
+                occupancy = kv.occupancy()
+                for g, blocks in enumerate(occupancy):
                     if blocks > peak[g]:
                         peak[g] = blocks
+                peak_total = max(peak_total, sum(occupancy))
                 if not plan.chunks:
                     raise InvariantViolation(
                         "INV-REPLAY-PROGRESS",
@@ -206,4 +212,5 @@ def replay(
     result.evictions = kv.num_evictions
     result.preemptions = sched.num_preemptions
     result.peak_blocks_per_group = tuple(peak)
+    result.peak_blocks = peak_total
     return result

@@ -56,7 +56,12 @@ def mooncake_trace(tmp_path):
 
 def direct(trace, groups, dcp, num_blocks, budget=8192, max_len=8192):
     layout = resolve_layout(LayoutConfig(groups, dcp=dcp, max_model_len=max_len))
-    result = replay(trace, layout, num_blocks, budget, oracle=False)
+    held = [0]
+
+    def watch(plan, sched) -> None:  # the pool's blocks held at once, all groups together
+        held[0] = max(held[0], sum(sched.kv.occupancy()))
+
+    result = replay(trace, layout, num_blocks, budget, oracle=False, on_step=watch)
     assert result.violations == []
     reqs = result.requests
     return {
@@ -68,6 +73,7 @@ def direct(trace, groups, dcp, num_blocks, budget=8192, max_len=8192):
         "preemptions": result.preemptions,
         "requests": len(reqs),
         "no_preemption_prefill": sum(r.num_prompt_tokens - r.num_cached_tokens for r in reqs),
+        "peak_blocks": held[0],
     }
 
 
@@ -81,8 +87,13 @@ def test_numbers_match_a_direct_replay_of_a_mooncake_trace(plan_json, mooncake_t
     evicted = 0
     for c in data["configs"]:
         want = direct(trace, groups, c["dcp"], int(num_blocks))
-        for key in ("cached_tokens", "prompt_tokens", "requests_with_hit", "cow_copies", "evictions", "preemptions", "requests"):
+        for key in ("cached_tokens", "prompt_tokens", "requests_with_hit", "cow_copies", "evictions", "preemptions", "requests",
+                    "peak_blocks"):
             assert c[key] == want[key], (c["dcp"], key)
+        # The peak of the total: at least each group's peak, never above the pool, the pool
+        # once it evicted (a block is evicted only when none is free).
+        assert max(c["peak_blocks_per_group"]) <= c["peak_blocks"] <= min(sum(c["peak_blocks_per_group"]), int(num_blocks) - 1)
+        assert not c["evictions"] or c["peak_blocks"] == int(num_blocks) - 1
         assert c["hit_rate"] == pytest.approx(want["cached_tokens"] / want["prompt_tokens"], abs=1e-6)
         if not want["preemptions"]:
             assert c["prefill_tokens"] == want["no_preemption_prefill"]

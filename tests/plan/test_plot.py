@@ -36,14 +36,63 @@ def test_figure_axes_and_series():
     reports = [report(1, 0.2), report(2, 0.15)]
     sweep = [report(1, 0.1, 0.5), report(1, 0.2), report(2, 0.12, 0.5), report(2, 0.15)]
     fig = build_figure(reports, sweep, "title")
-    hit, memory, capacity = fig.axes
+    hit, memory, capacity, tables = fig.axes
     assert (hit.get_xlabel(), hit.get_title()) == ("DCP size", "hit rate vs DCP size")
     assert series(hit) == {"hit rate": [20.0, 15.0], "attention groups alone": [25.0, 20.0]}
     assert list(hit.get_lines()[0].get_xdata()) == [1, 2]
-    assert (memory.get_ylabel(), set(series(memory))) == ("GiB per GPU", {"KV pool", "block tables"})
+    assert (memory.get_ylabel(), set(series(memory))) == ("GiB per GPU", {"KV pool"})  # no peak: not measured
     assert capacity.get_xlabel() == "KV memory per GPU (GiB)" and capacity.get_title() == "hit rate vs KV memory"
     assert series(capacity) == {"DCP 1": [10.0, 20.0], "DCP 2": [12.0, 15.0]}
-    assert len(build_figure(reports, [], "t").axes) == 2  # no sweep, no third panel
+    assert len(build_figure(reports, [], "t").axes) == 3  # no sweep, no third panel (the tables' axis stays)
+
+
+def test_block_tables_are_drawn_in_mib_on_their_own_axis():
+    """4 and 8 KiB of tables beside a 1 GiB pool: in GiB they would all round to the floor."""
+    fig = build_figure([report(1, 0.2), report(2, 0.15)], [], "t")
+    memory, tables = fig.axes[1], fig.axes[2]
+    assert tables.get_ylabel() == "block tables, MiB per GPU"
+    assert series(tables) == {"block tables (right axis)": [12 * 1024 / 2**20] * 2}
+    low, high = tables.get_ylim()
+    assert low == 0 and high > 12 * 1024 / 2**20  # the line sits inside the axis, not on its floor
+    assert tables.get_shared_x_axes().joined(tables, memory)
+
+
+def test_peak_in_use_is_the_peak_of_the_total_and_never_above_the_pool():
+    """Per-group peaks that do not coincide sum past the pool (600 + 700 > 1,000 blocks); the
+    curve is the peak of all groups together, as the replay measured it."""
+    import dataclasses
+
+    runs = [dataclasses.replace(report(d, 0.2), peak_blocks_per_group=[600, 700], peak_blocks=peak)
+            for d, peak in ((1, 999), (2, 800))]
+    memory = build_figure(runs, [], "t").axes[1]
+    drawn = series(memory)
+    assert drawn["KV pool"] == [1000 * 2**20 / 2**30] * 2
+    assert drawn["peak KV held (in use or cached)"] == [999 * 2**20 / 2**30, 800 * 2**20 / 2**30]
+    assert all(p <= pool for p, pool in zip(drawn["peak KV held (in use or cached)"], drawn["KV pool"]))
+
+
+def test_memory_axis_is_ticked_at_the_swept_sizes():
+    sweep = [report(d, 0.1, g) for d in (1, 2) for g in (10, 20, 40, 80)]
+    capacity = build_figure([report(1, 0.2, 40), report(2, 0.2, 40)], sweep, "t").axes[2]
+    assert list(capacity.get_xticks()) == [10, 20, 40, 80]
+    assert [t.get_text() for t in capacity.get_xticklabels()] == ["10", "20", "40", "80"]
+    assert list(capacity.get_xticks(minor=True)) == []  # no 2^4, 2^5 powers-of-two labels beside them
+
+
+def test_every_legend_sits_outside_its_panel():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    sweep = [report(d, 0.1, g) for d in (1, 2) for g in (10, 20)]
+    fig = build_figure([report(1, 0.2, 20), report(2, 0.2, 20)], sweep, "t")
+    FigureCanvasAgg(fig).draw()
+    panels = fig.axes[:3]
+    assert all(ax.get_legend() is not None for ax in panels)
+    for ax in panels:
+        legend, frame = ax.get_legend().get_window_extent(), ax.get_window_extent()
+        assert not legend.overlaps(frame), ax.get_title()
+        assert legend.y1 <= frame.y0  # under the panel
+    assert fig.axes[3].get_legend() is None  # the tables' entry is in the memory panel's legend
+    assert "block tables (right axis)" in [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
 
 
 def png_size(path) -> tuple[int, int]:
@@ -100,7 +149,7 @@ def test_sweep_draws_one_line_per_dcp_and_eviction_policy():
 
     reports = both(report(1, 0.2)) + both(report(2, 0.15))
     sweep = both(report(1, 0.1, 0.5)) + both(report(1, 0.2)) + both(report(2, 0.12, 0.5)) + both(report(2, 0.15))
-    hit, _, capacity = build_figure(reports, sweep, "title").axes
+    hit, _, capacity, _ = build_figure(reports, sweep, "title").axes
     assert series(hit)["hit rate (lru eviction)"] == [20.0, 15.0]
     assert series(hit)["hit rate (compute eviction)"] == [21.0, 16.0]
     assert series(capacity) == {"DCP 1, lru": [10.0, 20.0], "DCP 1, compute": [11.0, 21.0],

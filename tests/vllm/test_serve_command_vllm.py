@@ -76,3 +76,12 @@ def test_a_model_folder_keeps_vllms_own_block_choice(parse, tmp_path):
     command = serve_command(HYBRID, 2, 8, None, 4096, 64, model=str(tmp_path), block_size_from_model=True)
     args = parse(command.text())
     assert args.model == str(tmp_path) and args.block_size is None and args.kv_cache_memory_bytes is None
+
+
+def test_a_model_folder_with_a_requested_block_passes_that_block(parse, tmp_path):
+    """``--model DIR --block-size 16``: the layout holds vLLM's raised block; the command asks for
+    16, and vLLM raises it the same way."""
+    raised = dataclasses.replace(HYBRID, groups=tuple(dataclasses.replace(g, block_size=144) for g in HYBRID.groups))
+    command = serve_command(raised, 1, 8, None, 4096, 64, model=str(tmp_path), block_size_from_model=True,
+                            requested_block_size=16)
+    assert parse(command.text()).block_size == 16
