@@ -306,7 +306,10 @@ def run_plan(req: PlanRequest, progress: Optional[ProgressCallback] = None) -> P
                        key=lambda r: (r.dcp, r.kv_memory_bytes or 0, req.policies.index(r.eviction)))
     reuse, reuse_tokens = {}, 0
     if req.reuse_probe:
-        units = sorted({layouts[d].cache_hit_alignment for d in req.dcps} | {_fine_unit(layouts)})
+        units = {layouts[d].cache_hit_alignment for d in req.dcps} | {_fine_unit(layouts)}
+        units |= {resolve_layout(dataclasses.replace(config, dcp=d)).cache_hit_alignment  # every block size's unit
+                  for _, config in req.other_blocks for d in req.dcps}
+        units = sorted(units)
         probe = workload_reuse(req.workload, tuple(units))
         reuse, reuse_tokens = probe.fractions, probe.examined_tokens
     prompt_lengths = [e.prompt_len for e in req.workload.entries]

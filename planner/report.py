@@ -304,8 +304,9 @@ def plan_to_text(result: PlanResult) -> str:
     if result.reuse:
         total = req.workload.prompt_tokens
         part = f" (over its first {result.reuse_tokens:,} of {total:,} prompt tokens)" if result.reuse_tokens < total else ""
-        lines += ["", f"reuse the traffic allows with an unbounded cache{part}: " + ", ".join(
-            f"{100 * f:.1f} % in {u:,}-token steps" for u, f in sorted(result.reuse.items()))]
+        text = f"reuse the traffic allows with an unbounded cache{part}: " + ", ".join(
+            f"{100 * f:.1f} % in {u:,}-token steps" for u, f in sorted(result.reuse.items()))
+        lines += [""] + textwrap.wrap(text, 100, subsequent_indent="  ")
     rec = result.recommendation
     lines += [""] + result.notes + [f"recommendation: {rec.get('head', rec['text'])}"]
     lines += [line for n in rec.get("notes", ()) for line in textwrap.wrap(n, 98, initial_indent="  ", subsequent_indent="    ")]

@@ -29,6 +29,8 @@ def test_each_block_size_is_a_replayed_configuration_with_its_command(capsys, mo
     trace = [to_trace_request(r, math.floor(r.timestamp_ms / step_ms)) for r in iter_mooncake(mooncake_trace)]
     for key in ("configs", "stock_configs"):
         assert sorted((c["block_size"], c["dcp"]) for c in data[key]) == [(64, 1), (64, 2), (256, 1), (256, 2)]
+    # The reuse bound is probed at every compared layout's hit unit, not only the first block size's.
+    assert {str(c["cache_hit_alignment"]) for c in data["configs"]} <= set(data["reuse_bound"]), data["reuse_bound"]
     for c in data["configs"]:
         b = c["block_size"]
         # Every group at the block asked for (the Mamba group's too, as vLLM's align mode has it).
