@@ -10,6 +10,18 @@ from kvproof.planner.plan import PlanResult, serve_command_for
 from kvproof.planner.run import ConfigReport
 
 
+def _wrap_list(head: str, items: list[str], width: int = 100) -> list[str]:
+    """``head`` and the comma-separated ``items``, broken between items to fit ``width``."""
+    lines, line = [], head
+    for k, item in enumerate(items):
+        piece = item + ("," if k < len(items) - 1 else "")
+        if len(line) + len(piece) > width and line.strip():
+            lines.append(line.rstrip())
+            line = "  "
+        line += piece + " "
+    return lines + [line.rstrip()]
+
+
 def config_to_json(r: ConfigReport) -> dict:
     out = {
         "dcp": r.dcp,
@@ -304,9 +316,8 @@ def plan_to_text(result: PlanResult) -> str:
     if result.reuse:
         total = req.workload.prompt_tokens
         part = f" (over its first {result.reuse_tokens:,} of {total:,} prompt tokens)" if result.reuse_tokens < total else ""
-        text = f"reuse the traffic allows with an unbounded cache{part}: " + ", ".join(
-            f"{100 * f:.1f} % in {u:,}-token steps" for u, f in sorted(result.reuse.items()))
-        lines += [""] + textwrap.wrap(text, 100, subsequent_indent="  ")
+        items = [f"{100 * f:.1f} % in {u:,}-token steps" for u, f in sorted(result.reuse.items())]
+        lines += [""] + _wrap_list(f"reuse the traffic allows with an unbounded cache{part}: ", items)
     rec = result.recommendation
     lines += [""] + result.notes + [f"recommendation: {rec.get('head', rec['text'])}"]
     lines += [line for n in rec.get("notes", ()) for line in textwrap.wrap(n, 98, initial_indent="  ", subsequent_indent="    ")]
