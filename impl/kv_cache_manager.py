@@ -253,7 +253,7 @@ class KVCacheManager:
         holds no more real blocks than its state needs (INV-MAMBA-REAL-BLOCKS)."""
         self.pool._check()
         for m in self._mamba_managers:
-            m.check_rows(self._in_flight)
+            m.check_rows()
         for m in self.managers:
             if isinstance(m, FullAttentionManager):
                 m.check_keys()

@@ -10,7 +10,7 @@ admitting a waiting request, whether this step keys a longer prefix of it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from kvproof.impl.hashing import key_at
 
@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 
 
 class SameStepKeys:
-    """One step's chunks, and (built on the first question) the group-0 keys of the lengths
-    they key in every group (``KVCacheManager.keyed_lengths``). ``clear`` at each step."""
+    """One step's chunks (and, with async scheduling, the previous step's until its output
+    returns), and (built on the first question) the group-0 keys of the lengths they key in
+    every group (``KVCacheManager.keyed_lengths``). ``clear`` or ``retain`` at each step."""
 
     __slots__ = ("_kv", "_chunks", "_keyed")
 
@@ -33,6 +34,14 @@ class SameStepKeys:
     def clear(self) -> None:
         self._chunks = []
         self._keyed = None
+
+    def retain(self, unkeyed: Callable[["Request", int], bool]) -> int:
+        """Keep only the chunks ``unkeyed(req, end)`` says are not keyed yet, for the next step
+        (with async scheduling a step's output, and so its keys, returns after the next step is
+        scheduled); returns how many were kept."""
+        self._chunks = [c for c in self._chunks if unkeyed(c[0], c[2])]
+        self._keyed = None
+        return len(self._chunks)
 
     def note(self, req: "Request", start: int, end: int) -> None:
         """``req`` computes ``[start, end)`` in this step. Only chunks that reach a new length on

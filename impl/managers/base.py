@@ -28,9 +28,10 @@ class StepLedger:
     ``open`` hands those references back to be dropped.
     """
 
-    __slots__ = ("copies", "hit_refs", "allocated", "keyed", "_copy_srcs", "_copy_dsts")
+    __slots__ = ("number", "copies", "hit_refs", "allocated", "keyed", "_copy_srcs", "_copy_dsts")
 
     def __init__(self) -> None:
+        self.number = 0  # steps opened so far
         self._clear()
 
     def _clear(self) -> None:
@@ -49,6 +50,7 @@ class StepLedger:
             raise InvariantViolation("INV-STEP-PROTOCOL", f"{len(self.copies)} block copies were never taken")
         refs = self.hit_refs
         self._clear()
+        self.number += 1
         return refs
 
     def take_copies(self) -> list[tuple[int, int, int]]:

@@ -15,6 +15,30 @@ from kvproof.spec.contracts import InvariantViolation
 from kvproof.spec.retention import RetentionRule, keeps_state
 
 
+class MambaStep:
+    """One allocated step of a request, from its ``allocate``/``grow`` until the step has run
+    and been settled (``MambaManager.key`` and ``release``):
+
+    * ``end``: the token count after the step (its state is the one after ``end`` tokens);
+    * ``opened``: the scheduler step it was allocated in (``StepLedger.number``);
+    * ``move``: (the cached state block it writes in place, the copy the key moves to);
+    * ``copy``: the copy it takes of the previous step's end state, which it overwrites in place
+      while that state's key is still to come (async scheduling: the previous step had not
+      returned when this one was allocated); the key goes to the copy. 0 if none;
+    * ``superseded``: the row index of the old state it reads (released once it has run; -1 if
+      none).
+    """
+
+    __slots__ = ("end", "opened", "move", "copy", "superseded")
+
+    def __init__(self, end: int, opened: int) -> None:
+        self.end = end
+        self.opened = opened
+        self.move: Optional[tuple[int, int]] = None
+        self.copy = 0
+        self.superseded = -1
+
+
 class MambaRequest(GroupRequest):
     """A request in a Mamba group: its row and
 
@@ -27,22 +51,23 @@ class MambaRequest(GroupRequest):
     * ``released``: compute policy only, the cached states it released while running (block,
       key), requeued when it ends so they are not evicted before the attention chain they
       complete;
-    * for the running step, settled once it has run: ``pending_move`` (its cached state block
-      and the copy the key moves to, in ``key``; the copy is released in ``release``) and
-      ``superseded`` (the row index of the old state, which the step still reads, released in
-      ``release``; -1 if none).
+    * ``steps``: its allocated steps not settled yet, oldest first (``MambaStep``): one during a
+      step; with async scheduling also the one in flight while the next is allocated;
+      ``settling``: those ``key`` settled, for ``release``; ``settled``: the token count the
+      last settled step ended on (the admission hit's until one has).
     """
 
-    __slots__ = ("state_index", "junctions", "checked_below", "released", "pending_move", "superseded")
+    __slots__ = ("state_index", "junctions", "checked_below", "released", "steps", "settling", "settled")
 
-    def __init__(self, row: list[int], state_index: int, junctions: tuple[int, ...]) -> None:
+    def __init__(self, row: list[int], state_index: int, junctions: tuple[int, ...], settled: int) -> None:
         super().__init__(row)
         self.state_index = state_index
         self.junctions = junctions
         self.checked_below = -1  # not checked yet
         self.released: list[tuple[int, object]] = []
-        self.pending_move: Optional[tuple[int, int]] = None
-        self.superseded = -1
+        self.steps: list[MambaStep] = []
+        self.settling: list[MambaStep] = []
+        self.settled = settled
 
 
 class MambaManager(SingleTypeManager):
@@ -54,9 +79,15 @@ class MambaManager(SingleTypeManager):
     key moves to the copy once the step has run. A hit at N not on a block boundary is copied
     for the new request too (the next chunk may land in the same block index). Older state
     blocks are released after the step that last read them, so a request holds at most two
-    real blocks (INV-MAMBA-REAL-BLOCKS). States are keyed where chunks end on a hash boundary
-    and the retention policy keeps them (``kvproof.spec.retention``): block-aligned ones as
-    full-block keys, others (inside the prompt only) as partial keys.
+    real blocks (INV-MAMBA-REAL-BLOCKS), one more per step of it in flight. States are keyed where
+    chunks end on a hash boundary and the retention policy keeps them (``kvproof.spec.retention``):
+    block-aligned ones as full-block keys, others (inside the prompt only) as partial keys.
+
+    Keys follow the forward pass, so with async scheduling (a request's next step is allocated
+    before its previous one has returned) a state is keyed after the next step was allocated. If
+    that next step writes the state's block in place, it copies the state out first (its copies
+    run after the previous step's forward pass and before its own), and the key goes to the copy:
+    the state is never keyed on a block a later step is overwriting.
     """
 
     def __init__(
@@ -133,7 +164,15 @@ class MambaManager(SingleTypeManager):
         new_index = self._state_index_after(total_tokens)
         if new_index > index:
             return self._fresh_needed(table, index, new_index)
-        return 1 if self.pool.key_of(table[new_index]) is not None else 0
+        return 1 if self.pool.key_of(table[new_index]) is not None or self._keyed_later(request, state) else 0
+
+    def _keyed_later(self, request: Request, state: MambaRequest) -> bool:
+        """Whether the state in the request's state block is one a step in flight ends on and
+        retention will key once that step has returned (async scheduling; an allocation earlier
+        in this same step is not one: its state is never written). No state change."""
+        steps = state.steps
+        return (bool(steps) and steps[-1].opened != self.ledger.number
+                and self._keeps(request, state.junctions, steps[-1].end))
 
     def allocate(
         self, request: Request, total_tokens: int, hit_len: int, hit_blocks: list[int], junctions: tuple[int, ...],
@@ -147,17 +186,21 @@ class MambaManager(SingleTypeManager):
             [dst] = self._fresh(1)
             self.ledger.copy_from_hit(self.group_id, rid, src, dst)
             table[index] = dst
-        state = self.requests[rid] = MambaRequest(table, index, junctions)
-        self._advance(state, self._state_index_after(total_tokens))
+        state = self.requests[rid] = MambaRequest(table, index, junctions, hit_len)
+        step = MambaStep(total_tokens, self.ledger.number)
+        self._advance(state, self._state_index_after(total_tokens), step)
+        state.steps.append(step)
         return list(table)
 
     def grow(self, request: Request, total_tokens: int) -> list[int]:
         state = self.requests[request.request_id]
         table = state.row
         new_index = self._state_index_after(total_tokens)
+        step = MambaStep(total_tokens, self.ledger.number)
         if new_index > state.state_index:
             start = len(table)
-            self._advance(state, new_index)
+            self._advance(state, new_index, step)
+            state.steps.append(step)
             return table[start:]
         block = table[state.state_index]
         if self.pool.key_of(block) is not None:
@@ -165,12 +208,20 @@ class MambaManager(SingleTypeManager):
             # first (at step start, while the block still holds it).
             [copy] = self._fresh(1)
             self.ledger.add_copy(self.group_id, request.request_id, block, copy)
-            state.pending_move = (block, copy)
+            step.move = (block, copy)
+        elif self._keyed_later(request, state):
+            # The step in flight ends on a kept state that this step overwrites: copy it out
+            # first (the copy runs after that step), and the key goes to the copy.
+            [copy] = self._fresh(1)
+            self.ledger.add_copy(self.group_id, request.request_id, block, copy)
+            step.copy = copy
+        state.steps.append(step)
         return []
 
-    def _advance(self, state: MambaRequest, new_index: int) -> None:
+    def _advance(self, state: MambaRequest, new_index: int, step: MambaStep) -> None:
         """Mutates. Grow the row so the state sits at ``new_index`` with its scratch blocks,
-        moving scratch blocks that fall below it into the new positions."""
+        moving scratch blocks that fall below it into the new positions; ``step`` supersedes
+        the old state."""
         table, index = state.row, state.state_index
         length = len(table)
         first_real = max(length, new_index)
@@ -183,30 +234,50 @@ class MambaManager(SingleTypeManager):
         table.extend(moved + self._fresh(placed - len(moved)))  # placed >= len(moved): see _relocatable
         state.state_index = new_index
         if 0 <= index < new_index and table[index] != NULL_BLOCK:
-            state.superseded = index
+            step.superseded = index
 
     # --- after the step -------------------------------------------------------------------------
 
     def key(self, request: Request, num_computed: int) -> None:
-        """The cached state block's key moves to its copy first (the running request goes on
-        writing the block), then the new state is keyed if retention keeps it."""
+        """Settle the steps that have run (those ending at or before ``num_computed``): a cached
+        state block's key moves to its copy first (the running request goes on writing the
+        block). Then, if a step ended at ``num_computed`` and retention keeps that state, it is
+        keyed: on the block the step left it in or, when a later step already allocated (async
+        scheduling) writes that block in place, on the later step's copy of it."""
         rid = request.request_id
         state = self.requests[rid]
         pool = self.pool
-        if state.pending_move is not None:
-            pool.move_key(*state.pending_move)
         n, b, h = num_computed, self.effective_block_size, self.hash_block_size
-        index = state.state_index
-        expected_index = self._state_index_after(n)
-        if expected_index != index:
+        steps = state.steps
+        ran = None
+        while steps and steps[0].end <= n:
+            ran = steps.pop(0)
+            if ran.move is not None:
+                pool.move_key(*ran.move)
+            state.settling.append(ran)
+        if ran is None:
+            if n != state.settled:
+                raise InvariantViolation(
+                    "INV-MAMBA-STATE-INDEX",
+                    f"request {rid!r}, group {self.group_id}: no step ended after {n} tokens (the last that ran "
+                    f"ended at {state.settled}, the next ends at {steps[0].end if steps else 'none'})",
+                )
+            return  # nothing ran since the last keying
+        state.settled = ran.end
+        index = self._state_index_after(n)
+        if ran.end != n:
             raise InvariantViolation(
                 "INV-MAMBA-STATE-INDEX",
-                f"request {rid!r}, group {self.group_id}: state after {n} tokens must be at index "
-                f"{expected_index}, the table's state is at {index}",
+                f"request {rid!r}, group {self.group_id}: state after {n} tokens must be at index {index}, "
+                f"the last step that ran ended at {ran.end} (index {self._state_index_after(ran.end)})",
             )
         if not self._keeps(request, state.junctions, n):
             return
         block = state.row[index]
+        if steps and self._state_index_after(steps[0].end) == index:
+            block = steps[0].copy  # a later step writes the block in place; 0: it took no copy
+            if not block:
+                return
         key = key_at(request.block_hashes, n, h, self.group_id)
         if n % b == 0:
             if pool.key_of(block) != key and pool.cache_full(block, key, n):
@@ -217,25 +288,27 @@ class MambaManager(SingleTypeManager):
             self.valuer.note_state(rid, self.group_id, n)
 
     def release(self, request: Request, num_computed: int) -> None:
-        """The copy that took the key, and the old state the step read."""
+        """For each step settled: the copy that took a key, and the old state the step read."""
         rid = request.request_id
         state = self.requests[rid]
         table = state.row
         pool = self.pool
-        if state.pending_move is not None:
-            copy = state.pending_move[1]
-            state.pending_move = None
-            pool.free([copy], self._values(rid, [copy]))  # the copy is held by the cache only: evictable, hittable
-            if self.valuer is not None:
-                state.released.append((copy, pool.key_of(copy)))
-        below = state.superseded
-        if below >= 0:
-            state.superseded = -1
-            old = table[below]
-            pool.free([old], self._values(rid, [old]))
-            if self.valuer is not None and pool.key_of(old) is not None:
-                state.released.append((old, pool.key_of(old)))
-            table[below] = NULL_BLOCK
+        for step in state.settling:
+            copies = [step.move[1]] if step.move is not None else []
+            if step.copy:
+                copies.append(step.copy)
+            for copy in copies:  # held by the cache only: evictable, hittable
+                pool.free([copy], self._values(rid, [copy]))
+                if self.valuer is not None:
+                    state.released.append((copy, pool.key_of(copy)))
+            below = step.superseded
+            if below >= 0:
+                old = table[below]
+                pool.free([old], self._values(rid, [old]))
+                if self.valuer is not None and pool.key_of(old) is not None:
+                    state.released.append((old, pool.key_of(old)))
+                table[below] = NULL_BLOCK
+        state.settling.clear()
         index = state.state_index
         if state.checked_below != index or len(table) - index > self._real_limit:
             self.check_real_blocks(request)  # INV-MAMBA-REAL-BLOCKS, skipped when nothing moved
@@ -243,7 +316,10 @@ class MambaManager(SingleTypeManager):
     def idle_until(self, request: Request, num_computed: int) -> int:
         """Until the state leaves its block or reaches a hash boundary (where ``_keeps`` may
         key it); never while the state block is cached (the next step writes it in place and
-        must copy it first). Asked after ``release``, so no copy or release is pending."""
+        must copy it first). Asked after ``release``, so no copy or release of a step that has
+        run is pending. With a step in flight (async scheduling) the range is as safe: a state
+        that step ends on is keyed only on a hash boundary, past the range, so every step after
+        it is allocated, and copies it if it writes its block in place."""
         state = self.requests[request.request_id]
         index = state.state_index
         if self.pool.key_of(state.row[index]) is not None:
@@ -287,44 +363,47 @@ class MambaManager(SingleTypeManager):
         return ()
 
     def check_real_blocks(self, request: Request) -> None:
-        """INV-MAMBA-REAL-BLOCKS: between steps a request holds at most ``1 + speculative`` real
-        blocks: its state and the scratch blocks after it. Cheap (amortised O(1) per step): the
-        entries below the state already checked are not read again."""
-        self._check_row(request.request_id, during_step=False)
+        """INV-MAMBA-REAL-BLOCKS: a request holds at most ``1 + speculative`` real blocks (its
+        state and the scratch blocks after it), plus, per allocated step not settled yet that
+        moved the state to a new block, the old state that step reads. Cheap (amortised O(1)
+        per step): the entries below the lowest of those already checked are not read again."""
+        self._check_row(request.request_id)
 
-    def check_rows(self, in_flight: set[str]) -> None:
-        """INV-MAMBA-REAL-BLOCKS for every row (whole-state check): a request allocated this
-        step and not yet cached may also hold the old state its step reads (``2 + speculative``)."""
+    def check_rows(self) -> None:
+        """INV-MAMBA-REAL-BLOCKS for every row (whole-state check)."""
         for rid in self.requests:
-            self._check_row(rid, during_step=rid in in_flight)
+            self._check_row(rid)
 
-    def _check_row(self, rid: str, during_step: bool) -> None:
+    def _check_row(self, rid: str) -> None:
         state = self.requests.get(rid)
         if state is None or not state.row:
             return
         table = state.row
         index = max(state.state_index, 0)
         low = max(state.checked_below, 0)
-        limit = self._real_limit + during_step
+        read = [s.superseded for s in state.steps if s.superseded >= 0]  # old states a step still reads
+        limit = self._real_limit + len(read)
         stray = [i for i in range(low, min(index, len(table))) if table[i] != NULL_BLOCK]
         real = len(stray) + sum(1 for x in table[index:] if x != NULL_BLOCK)
         if real > limit:
-            when = "during its step" if during_step else "between steps"
+            when = f"with {len(state.steps)} steps not settled" if state.steps else "between steps"
             where = f" (kept below the state at row index {index}: {stray})" if stray else ""
             raise InvariantViolation(
                 "INV-MAMBA-REAL-BLOCKS",
                 f"request {rid!r}, group {self.group_id}: {real} real state blocks {when} > {limit}{where}",
             )
-        if not during_step:  # the old state below the index is still real during the step
-            state.checked_below = max(index, low)
+        state.checked_below = max(min([index, *read]), low)
 
     def free(self, request: Request) -> None:
         rid = request.request_id
         state = self.requests.get(rid)
         if state is not None:
-            if state.pending_move is not None:
-                copy = state.pending_move[1]
-                self.pool.free([copy], self._values(rid, [copy]))
+            # Copies taken by steps not settled (a preempted or finished request's last steps)
+            # are not in the row.
+            copies = [c for step in state.steps + state.settling
+                      for c in (step.move[1] if step.move is not None else 0, step.copy) if c]
+            if copies:
+                self.pool.free(copies, self._values(rid, copies))
             if state.released:  # still the states this request cached (not evicted and reused since)
                 mine = [b for b, k in state.released if self.pool.key_of(b) == k]
                 self.pool.requeue(mine, self._values(rid, mine))

@@ -27,12 +27,20 @@ every request that sampled, drafts derived from its tokens by a fixed rule that 
 (:func:`draft_tokens`); a step verifies them against :func:`next_token` as a rejection sampler
 would -- the drafts up to the first wrong one are accepted, then one token is sampled -- so vLLM
 rolls back the rejected ones, deterministically.
+
+Async scheduling (GPU runs' default) is staged when asked for with ``--async-scheduling``
+(vLLM's CPU platform turns it off; with this executor an explicit request is kept, see
+``_keep_async_scheduling``): the engine schedules step N+1 before it processes step N's output.
+The executor runs each step when it is handed over, in order, so the content model sees what a
+GPU stream does (step N's writes before step N+1's copies and reads), and returns the sampled
+tokens from ``sample_tokens`` as vLLM's model runner does.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from concurrent.futures import Future
 from typing import Callable, Optional
 
@@ -268,6 +276,16 @@ class CpuStagingExecutor(Executor):
     uses_ray = False
     supports_pp = False
 
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        """True where async scheduling was asked for (``--async-scheduling``). vLLM asks this
+        while it resolves a config whose value is still the user's, and turns an unset one on
+        when the executor supports it: a rehearsal stays synchronous, as vLLM's CPU platform has
+        it, unless asked. (Read from the asking ``VllmConfig.__post_init__``'s frame; vLLM
+        0.33.0 only, as every check here.)"""
+        config = sys._getframe(1).f_locals.get("self")
+        return getattr(getattr(config, "scheduler_config", None), "async_scheduling", None) is True
+
     def _init_executor(self) -> None:
         if self.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("the CPU staging executor runs one pipeline stage; expected --pipeline-parallel-size 1")
@@ -280,6 +298,7 @@ class CpuStagingExecutor(Executor):
         spec = self.vllm_config.speculative_config
         self.num_draft_tokens = spec.num_speculative_tokens if spec is not None else 0
         self._proposals: Optional[DraftTokenIds] = None
+        self._sampled: Optional[ModelRunnerOutput] = None  # the last step's, until sample_tokens
         self.kv_cache_bytes = self._kv_cache_bytes()
 
     def _kv_cache_bytes(self) -> int:
@@ -334,11 +353,16 @@ class CpuStagingExecutor(Executor):
         return _done(results) if non_block else results
 
     def execute_model(self, scheduler_output, non_block: bool = False):
+        """Run the step; a step that scheduled tokens returns its sampled tokens from
+        ``sample_tokens``, as vLLM's model runner does (the engine's batch queue waits on that)."""
         output = self.collective_rpc("execute_model", args=(scheduler_output,))[0]
+        if scheduler_output.total_num_scheduled_tokens:
+            self._sampled, output = output, None
         return _done(output) if non_block else output
 
     def sample_tokens(self, grammar_output, non_block: bool = False):
-        return _done(None) if non_block else None
+        output, self._sampled = self._sampled, None
+        return _done(output) if non_block else output
 
     def check_health(self) -> None:
         pass
@@ -391,6 +415,32 @@ class CpuStagingExecutor(Executor):
         decoding."""
         proposals, self._proposals = self._proposals, None
         return proposals
+
+
+def _keep_async_scheduling() -> None:
+    """vLLM's CPU platform turns async scheduling off in every config (``check_and_update_config``:
+    "not required on CPU"), after vLLM has checked that the executor supports it. A deployment
+    staged with this executor rehearses a GPU's, so an explicit ``--async-scheduling`` is kept.
+    Installed when this module is imported: vLLM imports it to resolve the executor class,
+    before the platform's update."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config.__func__
+    if getattr(original, "_kvproof_keeps_async", False):
+        return
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        asked = vllm_config.scheduler_config.async_scheduling  # True only if asked: supports_async_scheduling
+        original(cls, vllm_config)
+        backend = vllm_config.parallel_config.distributed_executor_backend
+        if asked is True and (backend is CpuStagingExecutor or backend == f"{__name__}.CpuStagingExecutor"):
+            vllm_config.scheduler_config.async_scheduling = True
+
+    check_and_update_config._kvproof_keeps_async = True
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
+_keep_async_scheduling()
 
 
 def _done(value) -> Future:

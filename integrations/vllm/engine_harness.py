@@ -48,6 +48,13 @@ asynchronous load is reported received (the runner output's
 ``kv_connector_output.finished_recving``) ``kv_load_steps`` steps after the step that started it
 (1: that step's own output), every synchronous one lands within its step.
 
+``async_scheduling`` plays vLLM's engine core with async scheduling (its batch queue of two):
+the harness builds vLLM's ``AsyncScheduler`` and, each step, schedules step s and runs the
+stand-in runner on it before ``update_from_output()`` settles step s - 1, so the Scheduler
+allocates every step before the previous one's output returns. The runner knows its own samples
+in order (a decode step's input is the token the step before sampled), as a GPU's does; a
+sample vLLM discards (a step scheduled past a request's last output) is any token.
+
 ``kv_events`` turns KV-cache events on as ``--kv-events-config`` does (``enable_kv_cache_events``),
 with a publisher that keeps each ``KVEventBatch`` the Scheduler publishes (``kv_event_batches``).
 
@@ -79,6 +86,7 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     resolve_kv_cache_block_sizes,
 )
 from vllm.v1.core.sched import scheduler as scheduler_module  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
@@ -144,12 +152,28 @@ class HarnessResult:
         return sum(self.num_cached_tokens.values()) / prompt if prompt else 0.0
 
 
+@dataclasses.dataclass
+class _Scheduled:
+    """A scheduled step until ``update_from_output()`` settles it."""
+
+    step: int
+    output: SchedulerOutput
+    starts: dict[str, int]
+    runner_output: ModelRunnerOutput
+    no_outputs: list[str]
+    blocks_in_use: int
+
+
 class StepHook:
     """Per-step callbacks (no-ops here; subclass and override). Hooks observe; they must not
     change the scheduler's state."""
 
     def scheduled(self, harness: "EngineHarness", step: int, output: SchedulerOutput) -> None:
         """After ``schedule()``, before the stand-in runner and ``update_from_output()``."""
+
+    def sampled(self, harness: "EngineHarness", output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """After the stand-in runner sampled the step, before the next step is scheduled (and,
+        with ``async_scheduling``, before the Scheduler sees the samples)."""
 
     def updated(self, harness: "EngineHarness", record: StepRecord, output: SchedulerOutput,
                 runner_output: ModelRunnerOutput) -> None:
@@ -256,6 +280,7 @@ class EngineHarness:
         kv_transfer_config=None,
         kv_load_steps: int = 1,
         kv_events: bool = False,
+        async_scheduling: bool = False,
     ) -> None:
         if max_num_seqs is None:
             max_num_seqs = min(256, max_num_batched_tokens)  # vLLM requires seqs <= batched tokens
@@ -273,6 +298,12 @@ class EngineHarness:
         if not layout.config.allow_partial_hash_hits:
             raise ValueError("vLLM 0.33's KVCacheManager always allows partial hash hits; "
                              "a layout with allow_partial_hash_hits=False has no vLLM counterpart")
+        if async_scheduling:
+            if scheduler_cls is not Scheduler:
+                raise ValueError("async_scheduling builds vLLM's AsyncScheduler; expected no scheduler_cls, "
+                                 f"got {scheduler_cls!r}")
+            scheduler_cls = AsyncScheduler
+        self.async_scheduling = async_scheduling
         self.layout = layout
         self.num_blocks = num_blocks
         self.hooks = tuple(hooks)
@@ -331,6 +362,8 @@ class EngineHarness:
         self._peak = 0
         self._scheduler_seconds = self._scheduler_cpu_seconds = 0.0
         self._wall_start: Optional[float] = None
+        self._unsampled: dict[str, int] = {}  # request -> samples the runner made that vLLM has not seen
+        self._in_flight: Optional[_Scheduled] = None  # async_scheduling: the step whose output is pending
 
     @property
     def kv_cache_manager(self):
@@ -410,11 +443,14 @@ class EngineHarness:
     # --- the loop -------------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_unfinished_requests()
+        return bool(self._pending) or self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
-    def step(self) -> StepRecord:
-        """Mutates. One engine-core step: arrivals, ``schedule()``, the stand-in runner,
-        ``update_from_output()``, then the abort of requests with no outputs whose prefill ended."""
+    def step(self) -> Optional[StepRecord]:
+        """Mutates. One engine-core step: arrivals, ``schedule()``, the stand-in runner, then
+        ``update_from_output()`` and the abort of requests with no outputs whose prefill ended.
+        With ``async_scheduling`` the update is the previous step's (its record is returned;
+        None for the first step), and this step's follows in the next call (or in this one, if
+        it scheduled nothing)."""
         if self._wall_start is None:
             self._wall_start = time.perf_counter()
         self.step_count += 1
@@ -439,10 +475,35 @@ class EngineHarness:
         for hook in self.hooks:
             hook.scheduled(self, s, out)
         runner_output, no_outputs = self._sample(out)
+        for hook in self.hooks:
+            hook.sampled(self, out, runner_output)
+        this = _Scheduled(s, out, starts, runner_output, no_outputs, in_use)
+        if not self.async_scheduling:
+            return self._settle(this)
+        previous, self._in_flight = self._in_flight, this
+        record = self._settle(previous) if previous is not None else None
+        if out.total_num_scheduled_tokens == 0:  # nothing to overlap with: settle it now too
+            self._in_flight = None
+            # Stalled only if settling the step before freed nothing to schedule next time.
+            record = self._settle(this, stalls=previous is None)
+        return record
+
+    def _settle(self, step: "_Scheduled", stalls: bool = True) -> StepRecord:
+        """Mutates. ``update_from_output()`` for ``step``, the abort of its zero-output requests,
+        its record and the hooks' ``updated``; raises HarnessStalled (if ``stalls``) when it
+        scheduled nothing and nothing else can happen."""
+        s, out, runner_output, no_outputs = step.step, step.output, step.runner_output, step.no_outputs
+        sched = self.scheduler
         t0, c0 = time.perf_counter(), time.thread_time()
         engine_outputs = sched.update_from_output(out, runner_output)
         self._scheduler_seconds += time.perf_counter() - t0
         self._scheduler_cpu_seconds += time.thread_time() - c0
+        unsampled = self._unsampled
+        for rid, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            if tokens:
+                unsampled[rid] -= 1
+                if not unsampled[rid]:
+                    del unsampled[rid]
         if no_outputs:
             sched.finish_requests(no_outputs, RequestStatus.FINISHED_ABORTED)
         finished = [o.request_id for outs in engine_outputs.values() for o in outs.outputs if o.finish_reason is not None]
@@ -450,19 +511,20 @@ class EngineHarness:
         copies = tuple((c.src_block_id, c.dst_block_id) for c in (out.kv_cache_block_copies or ()))
         record = StepRecord(
             step=s,
-            chunks=tuple((rid, starts[rid], n) for rid, n in out.num_scheduled_tokens.items()),
+            chunks=tuple((rid, step.starts[rid], n) for rid, n in out.num_scheduled_tokens.items()),
             copies=copies,
             preempted=tuple(sorted(out.preempted_req_ids)),
             finished=tuple(finished),
-            blocks_in_use=in_use,
+            blocks_in_use=step.blocks_in_use,
         )
         self._records.append(record)
         self._copies += len(copies)
         self._preemptions += len(out.preempted_req_ids)
         for hook in self.hooks:
             hook.updated(self, record, out, runner_output)
-        if (out.total_num_scheduled_tokens == 0 and not self._pending and not self._load_started
-                and runner_output.kv_connector_output is None and sched.has_unfinished_requests()):
+        if (stalls and out.total_num_scheduled_tokens == 0 and not self._pending and not self._load_started
+                and self._in_flight is None and runner_output.kv_connector_output is None
+                and sched.has_unfinished_requests()):
             waiting = sorted(r.request_id for r in sched.requests.values() if not r.is_finished())
             raise HarnessStalled(
                 f"step {s}: vLLM scheduled nothing and nothing arrives later; requests {waiting} cannot be "
@@ -471,18 +533,22 @@ class EngineHarness:
         return record
 
     def _sample(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, list[str]]:
-        """The stand-in runner: a request whose chunk reaches the end of its known tokens samples
-        its next expected output (nothing for a request with no outputs, returned to abort)."""
+        """The stand-in runner: a request whose chunk reaches the end of the tokens the runner
+        knows (vLLM's, and its own samples vLLM has not seen yet) samples its next expected
+        output (nothing for a request with no outputs, returned to abort)."""
         req_ids = list(out.num_scheduled_tokens)
         sampled: list[list[int]] = []
         no_outputs = []
+        unsampled = self._unsampled
         for rid in req_ids:
             req = self.scheduler.requests[rid]
             token: list[int] = []
-            if req.num_computed_tokens >= req.num_tokens:
-                expected = self._expected[rid]
+            ahead = unsampled.get(rid, 0)
+            if req.num_computed_tokens >= req.num_tokens + ahead:
+                expected, k = self._expected[rid], req.num_output_tokens + ahead
                 if expected:
-                    token = [expected[req.num_output_tokens]]
+                    token = [expected[k] if k < len(expected) else expected[-1]]  # past the last: vLLM discards it
+                    unsampled[rid] = ahead + 1
                 else:
                     no_outputs.append(rid)
             sampled.append(token)

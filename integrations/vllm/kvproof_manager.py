@@ -19,6 +19,9 @@ output returns), so every keying here uses that count:
 * at ``free``, before the blocks go back (a finished or preempted request's written tokens).
 
 Never keyed: drafts, lookahead slots and placeholders, which have slots but no known token.
+With async scheduling a Mamba state is keyed after the request's next step was allocated; where
+that step writes the state's block in place it has copied the state out first, and the key goes
+to the copy (``MambaManager``, ``MambaStep.copy``).
 
 Requests. kvproof's managers read a request's id, token counts and chained block hashes; the
 adapter hands them a view of vLLM's request (``_RequestView``) whose hashes are vLLM's own
@@ -294,7 +297,10 @@ class KvproofKVCacheManager:
         #: ``_allocated`` by first block hash (chained hashes: only requests equal there share a
         #: prefix), built by a step's first same-step sharing question; None until then.
         self._sharers: Optional[dict[bytes, dict[str, _RequestView]]] = None
-        self._deferred: set[str] = set()  # waiting requests whose admission waited a step already
+        self._deferred: dict[str, int] = {}  # waiting request -> steps its admission waited for a producer
+        #: Steps a sharer may wait for its producer's keys: one, or two while a step is in flight
+        #: at the next one's start (async scheduling: its keys come after the next is scheduled).
+        self._max_waits = 1
         self.num_producer_waits = 0  # admissions that waited a step for a prefix being computed
         self._same_step = SameStepKeys(self.manager)  # what this step's chunks will key
 
@@ -315,7 +321,11 @@ class KvproofKVCacheManager:
         for view in list(self._allocated.values()):
             self._key_written(view)
         self.manager.begin_step()
-        self._same_step.clear()
+        views = self._views
+        # A chunk of a step still in flight (async scheduling) keys its prefix once it returns.
+        in_flight = self._same_step.retain(
+            lambda view, end: end > view.num_computed_tokens and views.get(view.request_id) is view)
+        self._max_waits = 2 if in_flight else 1
         self._sharers = None
 
     def _key_written(self, view: _RequestView, written: Optional[int] = None, final: bool = False) -> None:
@@ -363,8 +373,10 @@ class KvproofKVCacheManager:
             self._events.reused(request, hit.num_tokens)
         # A prefix another request computes in this step is keyed once that step ran: vLLM's
         # manager lets the sharer hit it now (attention) or defers it a step (Mamba); kvproof's
-        # lets it wait one step, once, so it never caches fewer tokens than vLLM's would.
-        view.defer = view.request_id not in self._deferred and self._same_step.producer_in_flight(view, hit.num_tokens)
+        # lets it wait one step, once (two while the producer's step is in flight at the next
+        # one's start: async scheduling), so it never caches fewer tokens than vLLM's would.
+        view.defer = (self._deferred.get(view.request_id, 0) < self._max_waits
+                      and self._same_step.producer_in_flight(view, hit.num_tokens))
         if self._has_mamba:
             shared = self._shared_this_step(view, max_cache_hit_length)
             if shared > max((hit.num_tokens, *hit.junctions)):
@@ -454,7 +466,7 @@ class KvproofKVCacheManager:
             hit = self._hit_of(request, num_new_computed_tokens, new_computed_blocks, running)
             if view.defer and not running:  # waits a step for the prefix this step computes
                 view.defer = False
-                self._deferred.add(view.request_id)
+                self._deferred[view.request_id] = self._deferred.get(view.request_id, 0) + 1
                 self.num_producer_waits += 1
                 return None
             start = request.num_computed_tokens if running else hit.num_tokens
@@ -471,7 +483,7 @@ class KvproofKVCacheManager:
         self._allocated[view.request_id] = view
         if self._sharers is not None:
             self._note_sharer(view)
-        self._deferred.discard(view.request_id)
+        self._deferred.pop(view.request_id, None)
         view.allocated_to = min(end, request.num_tokens)
         self._same_step.note(view, start, view.allocated_to)
         if num_external_computed_tokens:
@@ -525,7 +537,7 @@ class KvproofKVCacheManager:
 
     def free(self, request) -> None:
         """Key what the request has written, then release its blocks (finished or preempted)."""
-        self._deferred.discard(request.request_id)
+        self._deferred.pop(request.request_id, None)
         view = self._views.pop(request.request_id, None)
         if view is None or not self.manager.is_running(view):
             return

@@ -157,17 +157,11 @@ def _install_scheduler_side() -> None:
     Scheduler.__init__ = __init__
 
 
-def serving_refusal(scheduler_cls: type, vllm_config, kv_cache_config) -> Optional[str]:
-    """Why kvproof's manager cannot serve a Scheduler of this class and configuration (one line,
-    saying what to change), or None. Pure."""
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-
+def serving_refusal(vllm_config, kv_cache_config) -> Optional[str]:
+    """Why kvproof's manager cannot serve a Scheduler of this configuration (one line, saying
+    what to change), or None. Pure."""
     if vllm_config.kv_transfer_config is not None:
         refusal = "does not serve KV connectors (--kv-transfer-config is set):"
-    elif issubclass(scheduler_cls, AsyncScheduler) and kv_cache_config.has_mamba_layers:
-        # Keys follow the step's output; by then the next step may be overwriting the Mamba
-        # state block a key would name.
-        refusal = "keys Mamba states only with synchronous scheduling: add --no-async-scheduling, or"
     elif getattr(vllm_config, "speculative_config", None) is not None and kv_cache_config.has_mamba_layers:
         # Its Mamba manager advances the state block through the draft slots; vLLM rolls rejected
         # drafts back behind it (found serving: INV-MAMBA-STATE-INDEX at the next keying).
@@ -189,12 +183,13 @@ def _install_kvproof_manager(slow: bool) -> None:
     original = Scheduler.__init__
 
     def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
-        message = serving_refusal(type(self), vllm_config, kv_cache_config)
+        message = serving_refusal(vllm_config, kv_cache_config)
         if message is not None:
             stop_report.record(message)
             raise ValueError(message)
         original(self, vllm_config, kv_cache_config, *args, **kwargs)
-        logger.info("kvproof's KV-cache manager serves this engine (%s)", self.kv_cache_manager.options)
+        logger.info("kvproof's KV-cache manager serves this engine's %s (%s)", type(self).__name__,
+                    self.kv_cache_manager.options)
 
     def build(*args, **kwargs):
         try:

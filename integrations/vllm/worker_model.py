@@ -96,9 +96,10 @@ class WorkerModel:
 
 
 class OracleHook:
-    """An ``engine_harness.StepHook`` that runs a :class:`WorkerModel` beside the harness: every
-    step the scheduler plans is applied to the model of all ranks, and the stand-in runner's
-    samples become known tokens. ``violations_by_step`` maps a step to what the oracle found."""
+    """An ``engine_harness.StepHook`` (by its methods: this module stays free of the harness)
+    that runs a :class:`WorkerModel` beside the harness: every step the scheduler plans is
+    applied to the model of all ranks, and the stand-in runner's samples become known tokens.
+    ``violations_by_step`` maps a step to what the oracle found."""
 
     def __init__(self, layout: Layout) -> None:
         self.worker = WorkerModel(layout)
@@ -110,7 +111,12 @@ class OracleHook:
         if len(self.worker.violations) > before:
             self.violations_by_step[step] = self.worker.violations[before:]
 
-    def updated(self, harness, record, output, runner_output) -> None:
+    def sampled(self, harness, output, runner_output) -> None:
+        """The runner's samples are known tokens on the workers at once (with async scheduling,
+        before the Scheduler sees them: the next step's input is the last sample)."""
         for rid, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             if tokens and rid in self.worker.requests:
                 self.worker.sampled(rid, tokens)
+
+    def updated(self, harness, record, output, runner_output) -> None:
+        """Nothing: the samples came in ``sampled``."""

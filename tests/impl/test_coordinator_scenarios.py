@@ -154,6 +154,88 @@ def test_running_owner_copies_its_cached_state_before_writing_in_place():
     assert (1, moved) in [(g, s) for g, s, _ in copies]
 
 
+def first_chunk(kv, request, num_new):
+    """Admit ``request`` on its hit with a first chunk of ``num_new`` tokens, in a new step (its
+    copies taken: they ran), and leave the step open."""
+    kv.begin_step()
+    assert kv.allocate_slots(request, num_new, kv.lookup(request)) is not None
+    kv.take_block_copies()
+
+
+def lagging_step(kv, request, written, allocated, num_new):
+    """One step as vLLM's Scheduler drives kvproof's manager with async scheduling: the step
+    before it has not returned, so only ``written`` tokens are keyed at its start; then
+    ``num_new`` tokens are allocated after the ``allocated`` ones. Returns the step's copies."""
+    request.num_computed_tokens = written
+    kv.cache(request)
+    kv.begin_step()
+    request.num_computed_tokens = allocated
+    assert kv.allocate_slots(request, num_new) is not None
+    return kv.take_block_copies()
+
+
+def test_under_async_scheduling_a_state_the_next_step_overwrites_is_keyed_on_its_copy():
+    """The 7-token prompt of the test above, chunks 6 + 1, but the second chunk is allocated
+    before the first has returned (async scheduling): the state at 6 is not keyed yet and the
+    second chunk writes its block in place, so it copies the state out first (its copies run
+    after the first chunk's forward pass), and once the first chunk returns the key goes to the
+    copy, never to the block being overwritten. A later request hits the copy."""
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+    owner = req("o", prompt, kv)
+    first_chunk(kv, owner, 6)
+    copies = lagging_step(kv, owner, written=0, allocated=6, num_new=1)
+    state = kv.block_table(owner)[1][1]
+    assert [(g, src) for g, src, _ in copies] == [(1, state)] and kv.pool.key_of(state) is None
+    copy = copies[0][2]
+    owner.num_computed_tokens = 6  # the first chunk returned: its state is keyed, on the copy
+    kv.cache(owner)
+    assert kv.pool.key_of(state) is None and kv.pool.num_tokens_of(copy) == 6
+    owner.num_computed_tokens = 7
+    kv.cache(owner)
+    kv.check_state()
+    hit, _, _ = run_chunk(kv, req("later", prompt[:6] + [8, 8], kv), 2)
+    assert hit.num_tokens == 6 and hit.blocks[1][-1] == copy
+
+
+def test_under_async_scheduling_a_state_left_behind_is_keyed_on_its_own_block():
+    """Chunks 4 + 4 of a 9-token prompt (Mamba 4): the second chunk moves the state to a new
+    block, so the state at 4 needs no copy and is keyed where the first chunk left it once that
+    returns; the row holds it until the second chunk, which reads it, has returned too."""
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
+    owner = req("o", list(range(9)), kv)
+    first_chunk(kv, owner, 4)
+    assert lagging_step(kv, owner, written=0, allocated=4, num_new=4) == []
+    first = kv.block_table(owner)[1][0]
+    owner.num_computed_tokens = 4
+    kv.cache(owner)
+    assert kv.pool.num_tokens_of(first) == 4 and kv.block_table(owner)[1][0] == first
+    kv.check_state()
+    owner.num_computed_tokens = 8
+    kv.cache(owner)
+    assert kv.block_table(owner)[1][0] == 0  # released once the step reading it returned
+
+
+def test_under_async_scheduling_decode_keys_the_states_it_ends_on_through_idle_steps():
+    """Decode one token a step, each step allocated before the previous one returned (Mamba 8,
+    H 4): the idle steps in between skip the managers, every state on the hash grid that a step
+    ended on is keyed once that step returns (in place inside a block: on the copy the next step
+    took), and the whole state stays consistent throughout."""
+    kv = make_kv([CacheGroup(FA, 4), CacheGroup(MAMBA, 8)], hash_block_size=4)
+    owner = req("o", list(range(30)), kv)
+    first_chunk(kv, owner, 9)
+    written, keyed = 0, {}
+    for allocated in range(9, 24):
+        lagging_step(kv, owner, written=written, allocated=allocated, num_new=1)
+        kv.check_state()
+        written = allocated
+        for n in (12, 16, 20):
+            found = kv.cached_block(owner.block_hashes[n // 4 - 1], 1)
+            if found is not None:
+                keyed.setdefault(n, written)
+    assert keyed == {12: 13, 16: 17, 20: 21}  # each once the step ending on it returned, not before
+
+
 def test_mamba_keeps_at_most_two_real_blocks():
     kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
     r = req("r", list(range(40)), kv)
@@ -243,9 +325,9 @@ def test_mamba_real_block_bound_is_cheap_and_catches_a_state_never_released(monk
 
     advance = MambaManager._advance
 
-    def leaky_advance(self, state, new_index):
-        advance(self, state, new_index)
-        state.superseded = -1  # the bug: the old state is never released
+    def leaky_advance(self, state, new_index, step):
+        advance(self, state, new_index, step)
+        step.superseded = -1  # the bug: the old state is never released
 
     kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
     r = req("r", list(range(12)), kv)
@@ -288,11 +370,20 @@ def test_hit_blocks_contract_fires_on_a_short_block_list(monkeypatch):
 def test_mamba_state_index_contract_fires_on_a_wrong_computed_count():
     kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
     r = req("r", list(range(12)), kv)
-    kv.begin_step()
-    kv.allocate_slots(r, 8, kv.lookup(r))
-    kv.take_block_copies()
+    first_chunk(kv, r, 8)
     r.num_computed_tokens = 4  # the step computed 8, the caller says 4
     with pytest.raises(InvariantViolation, match="INV-MAMBA-STATE-INDEX"):
+        kv.cache(r)
+
+
+def test_mamba_state_index_contract_fires_on_a_count_between_steps_with_one_in_flight():
+    kv = make_kv([CacheGroup(FA, 2), CacheGroup(MAMBA, 4)])
+    r = req("r", list(range(16)), kv)
+    first_chunk(kv, r, 8)
+    lagging_step(kv, r, written=0, allocated=8, num_new=4)  # steps ending at 8 and 12 allocated
+    r.num_computed_tokens = 10  # neither step ended there
+    with pytest.raises(InvariantViolation, match=r"INV-MAMBA-STATE-INDEX: request 'r', group 1: state after 10 tokens "
+                                                 r"must be at index 2, the last step that ran ended at 8"):
         kv.cache(r)
 
 

@@ -50,16 +50,22 @@ def test_a_second_allocation_in_one_step_is_refused_and_changes_nothing():
     assert kv.check_state()
 
 
-def test_the_whole_state_check_sees_a_row_grown_twice_in_one_step():
-    # What the refused call used to leave: the Mamba row advanced twice, so it holds the old
-    # state, the first new one and the second (3 real blocks > 2 during a step). The facade now
-    # refuses it; the coordinator, one layer down, does not check the protocol.
+def test_the_whole_state_check_counts_the_steps_a_row_was_grown_for():
+    # A row grown twice before either step settled (async scheduling: the next step is
+    # allocated while the previous one is in flight) holds the old state, the first new one and
+    # the second: 3 real blocks, one per unsettled step that moved the state, within the bound.
+    # A block more than that fires. (The facade refuses a second allocation in one step; the
+    # coordinator, one layer down, does not check the protocol.)
     kv = KVCacheManager(LAYOUT, 64)
     req = running_after_prefill(kv)
     assert kv.allocate_slots(req, 1) is not None
     assert kv.check_state()  # one allocation: old state + new state, within the step's bound
     assert kv.coordinator.allocate(req, 8 + 8, None) is not None
-    with pytest.raises(InvariantViolation, match=r"INV-MAMBA-REAL-BLOCKS: request 'a', group 1: 3 real state blocks during its step > 2"):
+    assert kv.check_state()  # two allocations in flight: 3 real blocks
+    row = kv.managers[1].row("a")
+    row.append(kv.pool.allocate(1)[0])  # a stray block past the state
+    with pytest.raises(InvariantViolation, match=r"INV-MAMBA-REAL-BLOCKS: request 'a', group 1: 4 real state blocks "
+                                                 r"with 2 steps not settled > 3"):
         kv.check_state()
 
 

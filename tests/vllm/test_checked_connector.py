@@ -12,7 +12,7 @@ from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvproof.integrations.vllm.checked_scheduler import CheckedScheduler  # noqa: E402
-from kvproof.integrations.vllm.engine_harness import EngineHarness  # noqa: E402
+from kvproof.integrations.vllm.engine_harness import EngineHarness, StepHook  # noqa: E402
 from kvproof.spec.contracts import InvariantViolation  # noqa: E402
 from kvproof.spec.groups import CacheGroup, GroupKind  # noqa: E402
 from kvproof.spec.layout import LayoutConfig, resolve_layout  # noqa: E402
@@ -50,7 +50,7 @@ def harness_for(name: str, is_async: bool, scheduler_cls=CheckedScheduler, **kw)
                          kv_transfer_config=connector(is_async, block_size=max(block, layout.cache_hit_alignment)), **kw)
 
 
-class _SeesLoads:
+class _SeesLoads(StepHook):
     """Counts the requests that were waiting for a load when a step was scheduled."""
 
     def __init__(self):
@@ -59,9 +59,6 @@ class _SeesLoads:
     def scheduled(self, harness, step, output):
         self.waited |= {r.request_id for r in harness.scheduler.requests.values()
                         if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS}
-
-    def updated(self, *args):
-        pass
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))

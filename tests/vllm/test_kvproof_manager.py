@@ -243,6 +243,63 @@ def test_hash_lookahead_on_attention_hits_what_vllm_hits_and_the_oracle_confirms
     assert sum(ours.num_cached_tokens.values()) > 0  # the oracle checked reads of reused blocks
 
 
+@pytest.mark.parametrize("gap", [60, 3], ids=["sequential", "overlapping"])
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_async_scheduling_over_mamba_hits_what_vllm_hits_and_the_oracle_confirms_it(dcp, gap, monkeypatch):
+    """vLLM's AsyncScheduler (GPU runs' default) allocates each step before the previous one
+    has returned, so kvproof keys a step's Mamba state after the next step was allocated; with
+    H below the Mamba block (states inside blocks: prompt tails, junctions) that next step often
+    writes the state's block in place and must copy it out first. Both managers on the same
+    multi-turn chats, the content oracle beside each: no wrong read, per request never fewer
+    cached tokens than vLLM's manager and exactly what kvproof's caches with sync scheduling."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from kvproof.impl.managers.mamba import MambaManager
+
+    layout = resolve_layout(LayoutConfig(HYBRID, dcp=dcp, hash_block_size=4, max_model_len=4096))
+    trace = conversations(7, num=3, turns=4, gap=gap)
+    copied = []
+    grow = MambaManager.grow
+
+    def counting_grow(self, request, total_tokens):
+        appended = grow(self, request, total_tokens)
+        copied.append(bool(self.requests[request.request_id].steps[-1].copy))
+        return appended
+
+    monkeypatch.setattr(MambaManager, "grow", counting_grow)
+    runs, hooks = {}, {}
+    for name, manager_class, is_async in (("vllm", None, True), ("kvproof", KvproofKVCacheManager, True),
+                                          ("kvproof sync", KvproofKVCacheManager, False)):
+        hooks[name] = OracleHook(layout)
+        h = EngineHarness(layout, 64, max_num_batched_tokens=64, manager_class=manager_class, hooks=[hooks[name]],
+                          async_scheduling=is_async)
+        assert isinstance(h.scheduler, AsyncScheduler) == is_async
+        runs[name] = h.run(trace).num_cached_tokens
+        if name == "kvproof":
+            assert sum(copied) > 0  # states the next step overwrote, copied out before it ran
+    assert not any(hook.violations_by_step for hook in hooks.values())
+    stock, ours = runs["vllm"], runs["kvproof"]
+    assert sum(stock.values()) > 0
+    fewer = {r: (ours[r], n) for r, n in stock.items() if ours[r] < n}
+    assert not fewer, f"fewer cached tokens than vLLM's manager (kvproof, vLLM): {fewer}"
+    assert ours == runs["kvproof sync"]
+
+
+def test_a_second_allocation_in_one_step_copies_no_state_that_step_never_wrote():
+    """vLLM may allocate a request twice in one step. The first allocation's chunk end (12, a
+    kept state inside the 16-token Mamba block) is no step in flight: the one forward pass writes
+    the state after the second's end only, so nothing is copied out for it (a copy would read a
+    block allocated in this step: INV-COW-SOURCE-READY)."""
+    manager = manager_for(HYBRID, hash_block_size=4)
+    request = vllm_request("a", range(30), block_size=4)
+    manager.new_step_starts()
+    blocks, hit, _ = manager.get_computed_blocks(request)
+    assert manager.allocate_slots(request, 12, num_new_computed_tokens=hit, new_computed_blocks=blocks) is not None
+    request.num_computed_tokens = request.num_in_flight_tokens = 12  # scheduled, not returned
+    assert manager.allocate_slots(request, 2) is not None
+    assert manager.take_kv_cache_block_copies() == ([], [])
+
+
 def test_a_group_kind_without_a_kvproof_manager_fails_at_start_naming_it():
     layout = layout_for(ATTENTION)
     config = kv_cache_config_for(layout, 64)

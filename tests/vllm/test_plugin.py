@@ -240,10 +240,8 @@ def test_kvproof_manager_with_checkpoints_reuse_serves_through_the_wrapped_split
     assert sorted(report["hits"]) == ["r0", "r1", "r2"]
 
 
-def test_kvproofs_manager_refuses_connectors_async_and_drafts_over_mamba_naming_the_change():
+def test_kvproofs_manager_refuses_connectors_and_drafts_over_mamba_naming_the_change():
     from types import SimpleNamespace
-
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
     from kvproof.integrations.vllm.kv_specs import kv_cache_config_for
     from kvproof.spec.groups import CacheGroup, GroupKind
@@ -254,13 +252,12 @@ def test_kvproofs_manager_refuses_connectors_async_and_drafts_over_mamba_naming_
 
     plain, connector = SimpleNamespace(kv_transfer_config=None), SimpleNamespace(kv_transfer_config=object())
     hybrid, attention = config(GroupKind.FULL_ATTENTION, GroupKind.MAMBA), config(GroupKind.FULL_ATTENTION)
-    assert "--kv-transfer-config" in plugin.serving_refusal(Scheduler, connector, attention)
-    assert "--no-async-scheduling" in plugin.serving_refusal(AsyncScheduler, plain, hybrid)
-    assert plugin.serving_refusal(Scheduler, plain, hybrid) is None  # controls
-    assert plugin.serving_refusal(AsyncScheduler, plain, attention) is None
+    assert "--kv-transfer-config" in plugin.serving_refusal(connector, attention)
+    assert plugin.serving_refusal(plain, hybrid) is None  # controls
+    assert plugin.serving_refusal(plain, attention) is None
     drafting = SimpleNamespace(kv_transfer_config=None, speculative_config=object())
-    assert "drop --speculative-config" in plugin.serving_refusal(Scheduler, drafting, hybrid)
-    assert plugin.serving_refusal(Scheduler, drafting, attention) is None  # served (test_vllm_serve.py)
+    assert "drop --speculative-config" in plugin.serving_refusal(drafting, hybrid)
+    assert plugin.serving_refusal(drafting, attention) is None  # served (test_vllm_serve.py)
 
 
 _REFUSED = textwrap.dedent("""
@@ -271,31 +268,32 @@ _REFUSED = textwrap.dedent("""
     from kvproof.integrations.vllm.tiny_model import tiny_model_dir
     load_general_plugins()
     report = {}
-    for case, extra in (("async", {"scheduler_cls": "vllm.v1.core.sched.async_scheduler.AsyncScheduler"}),
+    for case, extra in (("async", {"async_scheduling": True}),
                         ("drafts", {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2,
                                                            "disable_lookahead_block_hashes": True}})):
         try:
-            LLMEngine.from_engine_args(EngineArgs(
+            engine = LLMEngine.from_engine_args(EngineArgs(
                 model=tiny_model_dir(), skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=256,
                 enable_prefix_caching=True, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256,
                 distributed_executor_backend="kvproof.integrations.vllm.cpu_executor.CpuStagingExecutor", **extra))
-            report[case] = None
+            report[case] = type(engine.engine_core.engine_core.scheduler).__name__
+            engine.engine_core.shutdown()
         except Exception as e:
             report[case] = f"{type(e).__name__}: {e}"
     print("REPORT " + json.dumps(report), flush=True)
 """)
 
 
-def test_kvproofs_manager_refuses_async_scheduling_and_drafts_over_mamba_when_vllm_builds_the_scheduler():
-    """Through vLLM's engine (the hybrid tiny model): an async Scheduler, and MTP drafts, fail at
-    Scheduler construction with the one line, and the stop report ends the output with it."""
+def test_kvproofs_manager_serves_async_scheduling_and_refuses_drafts_over_mamba_when_vllm_builds_the_scheduler():
+    """Through vLLM's engine (the hybrid tiny model): an engine with async scheduling gets
+    vLLM's AsyncScheduler with kvproof's manager (served: test_kvproof_manager.py, test_vllm_serve.py);
+    MTP drafts fail at Scheduler construction with the one line, and the stop report ends the
+    output with it."""
     report = _run_fresh(_REFUSED, KVPROOF_MANAGER="kvproof")
-    assert report["async"] == ("ValueError: kvproof's manager keys Mamba states only with synchronous scheduling: add "
-                               "--no-async-scheduling, or unset KVPROOF_MANAGER to serve with vLLM's manager")
+    assert report["async"] == "AsyncScheduler"
     assert report["drafts"].startswith("ValueError: kvproof's manager does not serve speculative decoding over Mamba "
                                        "groups"), report["drafts"]
-    # The first refusal, last, counting the second.
-    assert report["last"] == "kvproof: " + report["async"][len("ValueError: "):] + " (and 1 more kvproof refusal(s) above)"
+    assert report["last"] == "kvproof: " + report["drafts"][len("ValueError: "):]
 
 
 _UNTESTED = textwrap.dedent("""

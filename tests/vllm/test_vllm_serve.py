@@ -132,11 +132,15 @@ def cached(usage: dict) -> int:
     return usage["prompt_tokens_details"]["cached_tokens"]
 
 
-def model_layout(dcp: int):
+#: The hash unit of the async-scheduling run (``--prefix-match-unit``).
+ASYNC_UNIT = 4
+
+
+def model_layout(dcp: int, hash_block_size=None):
     """The tiny model's layout as the server builds it (vLLM's Mamba group comes first for this
     model, as the server's log shows)."""
     return resolve_layout(LayoutConfig((CacheGroup(GroupKind.MAMBA, BLOCK), CacheGroup(GroupKind.FULL_ATTENTION, BLOCK)),
-                                       dcp=dcp, max_model_len=MAX_LEN))
+                                       dcp=dcp, max_model_len=MAX_LEN, hash_block_size=hash_block_size))
 
 
 def metric(metrics: str, name: str) -> float:
@@ -184,15 +188,20 @@ def test_vllm_serve_with_checks(dcp, num_chats, turns, tmp_path):
     assert None not in named, [rid for rid, n in zip(behind, named) if n is None]
 
 
-@pytest.mark.parametrize("dcp, num_chats, turns", [(2, 40, 5), (4, 12, 5)])
-def test_vllm_serve_with_kvproofs_manager(dcp, num_chats, turns):
+@pytest.mark.parametrize("dcp, num_chats, turns, scheduling",
+                         [(2, 40, 5, "sync"), (4, 12, 5, "sync"), (2, 40, 5, "async")])
+def test_vllm_serve_with_kvproofs_manager(dcp, num_chats, turns, scheduling):
     """The same conversations served with kvproof's manager (``KVPROOF_MANAGER=kvproof``,
     kvproof's rules) and the cheap checks. Stock vLLM's cached tokens come from vLLM's real
     Scheduler and manager on the same trace (the engine harness, which
     ``test_vllm_serve_with_checks`` shows equal to a served stock server). None may cache
     fewer tokens than with vLLM's manager (a same-step sharer of another's prefix waits a step:
-    docs/vllm.md, "Serving with kvproof's manager")."""
-    server = Server(dcp, env={"KVPROOF_MANAGER": "kvproof"})
+    docs/vllm.md, "Serving with kvproof's manager"). ``async``: with ``--async-scheduling`` (GPU
+    runs' default; the staging executor keeps it on a CPU) and a 4-token hash unit, so Mamba
+    states sit inside blocks and the step after one often overwrites its block before the key;
+    stock is vLLM's AsyncScheduler in the harness."""
+    args = ("--async-scheduling", "--prefix-match-unit", str(ASYNC_UNIT)) if scheduling == "async" else ()
+    server = Server(dcp, env={"KVPROOF_MANAGER": "kvproof"}, args=args)
     try:
         server.wait_until_up()
         trace, usage, burst = serve_chats(server, chats(dcp, num_chats, turns))
@@ -201,7 +210,8 @@ def test_vllm_serve_with_kvproofs_manager(dcp, num_chats, turns):
         code, left = server.stop()
     output = server.final_output
     assert code == 0 and left == []
-    assert "kvproof's KV-cache manager serves this engine" in output, output[-4000:]
+    scheduler = "AsyncScheduler" if scheduling == "async" else "Scheduler"
+    assert f"kvproof's KV-cache manager serves this engine's {scheduler} (" in output, output[-4000:]
     # Nothing failed while serving. (At SIGTERM vLLM 0.33.0 stops its engine core with timeout 0
     # and force-kills it; its API server's output handler may then log EngineDeadError.)
     serving = output.partition("[shutdown] API server: shutdown triggered")[0]
@@ -220,11 +230,13 @@ def test_vllm_serve_with_kvproofs_manager(dcp, num_chats, turns):
         u["prompt_tokens"] - cached(u) + u["completion_tokens"] - 1 for u in replies)
 
     served = {rid: cached(u) for rid, u in usage.items()}
-    harness = EngineHarness(model_layout(dcp), NUM_BLOCKS, max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS)
+    layout = model_layout(dcp, ASYNC_UNIT if scheduling == "async" else None)
+    harness = EngineHarness(layout, NUM_BLOCKS, max_num_batched_tokens=BUDGET, max_num_seqs=MAX_SEQS,
+                            async_scheduling=scheduling == "async")
     stock = harness.run(trace).num_cached_tokens
     behind = {rid: (served[rid], stock[rid]) for rid in served if served[rid] < stock[rid]}
     ahead = sum(served[rid] > stock[rid] for rid in served)
-    print(f"\nDCP {dcp}, kvproof's manager: {len(trace)} sequential requests cached {sum(served.values())} tokens, "
+    print(f"\nDCP {dcp}, {scheduling}, kvproof's manager: {len(trace)} sequential requests cached {sum(served.values())} tokens, "
           f"stock vLLM {sum(stock.values())}; ahead on {ahead}, behind on {len(behind)}; burst of {len(burst)} "
           f"cached {sum(map(cached, burst))}; the oracle checked "
           f"{metric(metrics, 'kvproof_content_checked_tokens_total'):.0f} tokens")
