@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Protocol, Sequence
 
 from kvproof.impl.eviction_queue import eviction_queue
 from kvproof.impl.key_index import Key, KeyIndex
@@ -58,6 +58,20 @@ from kvproof.spec.eviction import LRU, parse_policy
 from kvproof.spec.geometry import MAX_NUM_BLOCKS
 
 NULL_BLOCK = 0
+
+
+class PoolObserver(Protocol):
+    """What a pool tells its ``observer`` (a host's block-residency metrics, as vLLM's
+    ``--kv-cache-metrics`` collects them from its own pool): after the fact, never asked."""
+
+    def allocated(self, blocks: list[int]) -> None:
+        """``blocks`` were handed out (a cached one among them was evicted)."""
+
+    def touched(self, blocks: list[int]) -> None:
+        """``blocks`` (real ones) were touched by a cache hit."""
+
+    def reset(self) -> None:
+        """Every key was dropped (``reset``)."""
 
 
 def _count_refs(self: "BlockPool", blocks: Iterable[int]) -> dict[int, int]:
@@ -120,7 +134,8 @@ class BlockPool:
     is ``None``.
     """
 
-    __slots__ = ("_num_blocks", "_ref", "_index", "_queue", "_num_free", "num_evictions", "_group", "_occupied")
+    __slots__ = ("_num_blocks", "_ref", "_index", "_queue", "_num_free", "num_evictions", "_group", "_occupied",
+                 "observer")
 
     @ensure(lambda self: self._check(), "INV-POOL-CONSERVE: a new pool is well formed", tier=SLOW)
     def __init__(self, num_blocks: int, policy: str = LRU, key_log: Optional[KeyLog] = None) -> None:
@@ -144,6 +159,9 @@ class BlockPool:
         # held (ref > 0) or cached (keyed, evictable). Memory accounting only.
         self._group = [0] * num_blocks
         self._occupied: list[int] = []
+        #: Told of every block handed out, every hit touched and every reset (a host's block
+        #: residency metrics: ``PoolObserver``); None tells nothing.
+        self.observer: Optional[PoolObserver] = None
 
     def __repr__(self) -> str:
         return f"BlockPool(num_blocks={self._num_blocks}, free={self._num_free}, keys={len(self._index.holders)}, policy={self.policy})"
@@ -284,6 +302,8 @@ class BlockPool:
             ref[b] = 1
         occupied[group] += n
         self._num_free -= n
+        if self.observer is not None:
+            self.observer.allocated(out)
         return out
 
     @snapshot(lambda self, blocks: _count_refs(self, blocks), name="refs", tier=SLOW)
@@ -323,6 +343,8 @@ class BlockPool:
         if taken:
             self._queue.take(taken)
             self._num_free -= len(taken)
+        if self.observer is not None:
+            self.observer.touched([b for b in blocks if b != NULL_BLOCK])
 
     @snapshot(lambda self, blocks: _count_refs(self, blocks), name="refs", tier=SLOW)
     @ensure(
@@ -571,6 +593,8 @@ class BlockPool:
         self._queue.forget_keys()
         self._index.clear()
         self._occupied = [0] * len(self._occupied)  # no block is held or cached any more
+        if self.observer is not None:
+            self.observer.reset()
         return True
 
     # --- internals -----------------------------------------------------------------------------

@@ -55,6 +55,10 @@ allocates every step before the previous one's output returns. The runner knows 
 in order (a decode step's input is the token the step before sampled), as a GPU's does; a
 sample vLLM discards (a step scheduled past a request's last output) is any token.
 
+``kv_cache_metrics`` turns vLLM's block-residency metrics on as ``--kv-cache-metrics`` does, every
+block sampled (``--kv-cache-metrics-sample 1.0``); the Scheduler's collector
+(``scheduler.kv_metrics_collector``) keeps the eviction events until drained.
+
 ``kv_events`` turns KV-cache events on as ``--kv-events-config`` does (``enable_kv_cache_events``),
 with a publisher that keeps each ``KVEventBatch`` the Scheduler publishes (``kv_event_batches``).
 
@@ -281,6 +285,7 @@ class EngineHarness:
         kv_load_steps: int = 1,
         kv_events: bool = False,
         async_scheduling: bool = False,
+        kv_cache_metrics: bool = False,
     ) -> None:
         if max_num_seqs is None:
             max_num_seqs = min(256, max_num_batched_tokens)  # vLLM requires seqs <= batched tokens
@@ -314,6 +319,9 @@ class EngineHarness:
             cfg.hash_block_size,
         ))
         self.vllm_config.kv_transfer_config = kv_transfer_config
+        if kv_cache_metrics:  # --kv-cache-metrics --kv-cache-metrics-sample 1.0: every block tracked
+            self.vllm_config.observability_config.kv_cache_metrics = True
+            self.vllm_config.observability_config.kv_cache_metrics_sample = 1.0
         if kv_events:  # --kv-events-config '{"enable_kv_cache_events": true}', published below
             self.vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
         self.kv_load_steps = kv_load_steps

@@ -43,8 +43,9 @@ events since (``cache_events.py``; docs/vllm.md, "KV-cache events", says where t
 vLLM's).
 
 Also refused, naming the argument: encoder tokens (cross-attention), hash lookahead tokens
-over Mamba groups or with KV-cache events, and block-residency metrics. Block objects in the ``KVCacheBlocks`` it returns
-carry ``block_id`` and ``is_null`` only.
+over Mamba groups or with KV-cache events. Block-residency metrics (``--kv-cache-metrics``) are
+vLLM's collector fed from kvproof's pool (``_Residency``). Block objects in the ``KVCacheBlocks``
+it returns carry ``block_id`` and ``is_null`` only.
 """
 
 from __future__ import annotations
@@ -183,6 +184,33 @@ class _BlockPoolSurface:
             raise ValueError(f"kvproof's manager hands out no blocks to free; got {blocks[:4]!r}")
 
 
+class _Residency:
+    """vLLM's block-residency metrics (``--kv-cache-metrics``: ``KVCacheMetricsCollector``, which
+    samples blocks and reports each sampled block's lifetime, idle time and reuse gaps when it
+    is evicted), fed from kvproof's pool as vLLM's ``BlockPool`` feeds it: a block handed out
+    ends its previous residency (with caching on) and starts a new one, a hit's touch is an
+    access, a reset clears everything. A ``PoolObserver``."""
+
+    __slots__ = ("_collector", "_blocks", "_caching")
+
+    def __init__(self, collector, blocks: list[KvproofBlock], caching: bool) -> None:
+        self._collector, self._blocks, self._caching = collector, blocks, caching
+
+    def allocated(self, blocks: list[int]) -> None:
+        collector, objects = self._collector, self._blocks
+        for b in blocks:
+            if self._caching:
+                collector.on_block_evicted(objects[b])
+            collector.on_block_allocated(objects[b])
+
+    def touched(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self._collector.on_block_accessed(self._blocks[b])
+
+    def reset(self) -> None:
+        self._collector.reset()
+
+
 def _common_prefix(hashes, others) -> int:
     """How many leading block hashes two requests share (chained hashes: equal at i means equal
     below i, so a binary search finds it)."""
@@ -242,12 +270,8 @@ class KvproofKVCacheManager:
         if num_hash_lookahead_tokens and (enable_kv_cache_events or any(
                 isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups)):
             _refuse("num_hash_lookahead_tokens with Mamba groups or KV-cache events", num_hash_lookahead_tokens)
-        for argument, value, served in (
-            ("pcp_world_size", pcp_world_size, 1),
-            ("metrics_collector", metrics_collector, None),
-        ):
-            if value != served:
-                _refuse(argument, value)
+        if pcp_world_size != 1:
+            _refuse("pcp_world_size", pcp_world_size)
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark {watermark!r} must be in [0, 1)")
         options = options if options is not None else serving_options.from_environment()
@@ -274,6 +298,8 @@ class KvproofKVCacheManager:
         self._hash_block_size = hash_block_size
         self._watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self._blocks = [KvproofBlock(i) for i in range(kv_cache_config.num_blocks)]
+        if metrics_collector is not None:  # --kv-cache-metrics: vLLM's collector, fed by kvproof's pool
+            self.manager.pool.observer = _Residency(metrics_collector, self._blocks, enable_caching)
         specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
         self._events = CacheEvents(layout, specs, key_log) if key_log is not None else None
         self.block_pool = _BlockPoolSurface(self.manager, self._blocks)

@@ -364,3 +364,28 @@ def test_allocate_counts_evictions_of_cached_blocks():
     assert pool.num_evictions == 0  # b and block 3: neither held a key
     pool.allocate(1)
     assert pool.num_evictions == 1 and pool.lookup(("k", 0)) is None
+
+
+def test_the_observer_hears_every_block_handed_out_every_hit_touch_and_a_reset():
+    heard = []
+
+    class Observer:
+        def allocated(self, blocks):
+            heard.append(("allocated", list(blocks)))
+
+        def touched(self, blocks):
+            heard.append(("touched", list(blocks)))
+
+        def reset(self):
+            heard.append(("reset",))
+
+    pool = BlockPool(4)
+    pool.observer = Observer()
+    [a, b] = pool.allocate(2)
+    assert pool.cache_full(a, (b"k", 0), 16)
+    pool.free([a, b])
+    pool.touch([0, a])  # a hit on the cached block; the null block is no block
+    assert pool.allocate(5) is None  # refused: nothing handed out, nothing heard
+    pool.free([a])
+    assert pool.reset()
+    assert heard == [("allocated", [a, b]), ("touched", [a]), ("reset",)]

@@ -210,7 +210,6 @@ def test_connector_tokens_are_keyed_only_once_vllm_says_they_are_written(delayed
 
 @pytest.mark.parametrize("groups,keyword,value", [
     (HYBRID, "num_hash_lookahead_tokens", 1), (ATTENTION, "pcp_world_size", 2),
-    (ATTENTION, "metrics_collector", object()),
 ])
 def test_construction_refuses_what_it_does_not_serve(groups, keyword, value):
     with pytest.raises(NotImplementedError, match=keyword):
@@ -298,6 +297,26 @@ def test_a_second_allocation_in_one_step_copies_no_state_that_step_never_wrote()
     request.num_computed_tokens = request.num_in_flight_tokens = 12  # scheduled, not returned
     assert manager.allocate_slots(request, 2) is not None
     assert manager.take_kv_cache_block_copies() == ([], [])
+
+
+@pytest.mark.parametrize("groups", [ATTENTION, HYBRID], ids=["attention", "hybrid"])
+def test_block_residency_metrics_report_what_vllms_pool_reports(groups, monkeypatch):
+    """``--kv-cache-metrics`` with every block sampled: vLLM's collector, fed from kvproof's pool,
+    reports one eviction event per block handed out again, with its reuse gaps (hits between
+    allocations), as it does fed from vLLM's pool. With vLLM's rules (where both managers hit
+    and evict alike) the events match vLLM's manager's, gap for gap, on chats that evict."""
+    layout = layout_for(groups)
+    trace = conversations(7, num=6, turns=5, gap=3)
+    reports = {}
+    for name, manager_class in (("vllm", None), ("kvproof", KvproofKVCacheManager)):
+        monkeypatch.setenv("KVPROOF_OPTIONS", "rules=vllm")
+        h = EngineHarness(layout, 28, max_num_batched_tokens=64, manager_class=manager_class, kv_cache_metrics=True)
+        result = h.run(trace)
+        events = h.scheduler.kv_metrics_collector.drain_events()
+        reports[name] = (result.evictions, sorted(len(e.reuse_gaps_seconds) for e in events))
+    evictions, gaps = reports["vllm"]
+    assert evictions > 0 and any(gaps)  # blocks were evicted, some after hits
+    assert reports["kvproof"] == reports["vllm"]
 
 
 def test_a_group_kind_without_a_kvproof_manager_fails_at_start_naming_it():
