@@ -38,6 +38,13 @@ class MambaStep:
         self.copy = 0
         self.superseded = -1
 
+    def copies(self) -> list[int]:
+        """The blocks it copied a state into (held for a key only, never in the row)."""
+        out = [self.move[1]] if self.move is not None else []
+        if self.copy:
+            out.append(self.copy)
+        return out
+
 
 class MambaRequest(GroupRequest):
     """A request in a Mamba group: its row and
@@ -294,10 +301,7 @@ class MambaManager(SingleTypeManager):
         table = state.row
         pool = self.pool
         for step in state.settling:
-            copies = [step.move[1]] if step.move is not None else []
-            if step.copy:
-                copies.append(step.copy)
-            for copy in copies:  # held by the cache only: evictable, hittable
+            for copy in step.copies():  # held by the cache only: evictable, hittable
                 pool.free([copy], self._values(rid, [copy]))
                 if self.valuer is not None:
                     state.released.append((copy, pool.key_of(copy)))
@@ -400,8 +404,7 @@ class MambaManager(SingleTypeManager):
         if state is not None:
             # Copies taken by steps not settled (a preempted or finished request's last steps)
             # are not in the row.
-            copies = [c for step in state.steps + state.settling
-                      for c in (step.move[1] if step.move is not None else 0, step.copy) if c]
+            copies = [c for step in state.steps for c in step.copies()]
             if copies:
                 self.pool.free(copies, self._values(rid, copies))
             if state.released:  # still the states this request cached (not evicted and reused since)
